@@ -1,0 +1,30 @@
+// Scaled dot-product attention: tiled forward with an online softmax, backward that recomputes the weights.
+#pragma once
+
+#include "common.hpp"
+
+namespace attnpp {
+
+// out = softmax(scale * q k^T + masks + causal) (with dropout) v, one (n, h) at a time.
+// out (N, Hq, L, Dv), logsumexp (N, Hq, L) contiguous, q (N, Hq, L, D), k (N, Hk, S, D), v (N, Hk, S, Dv).
+// A query row whose keys are all masked gets out = 0 and logsumexp = -inf.
+template <typename T>
+void sdpa_forward(const View4<T>& out, T* logsumexp, const View4<const T>& q, const View4<const T>& k,
+                  const View4<const T>& v, const AttnConfig<T>& cfg);
+
+// Gradients of sdpa_forward, accumulated (+=) into dq (N, Hq, L, D), dk (N, Hk, S, D), dv (N, Hk, S, Dv).
+template <typename T>
+void sdpa_backward(const View4<T>& dq, const View4<T>& dk, const View4<T>& dv, const View4<const T>& dout,
+                   const View4<const T>& out, const T* logsumexp, const View4<const T>& q,
+                   const View4<const T>& k, const View4<const T>& v, const AttnConfig<T>& cfg);
+
+// The attention weights (N, Hq, L, S), contiguous, after dropout when cfg.dropout_p > 0:
+// P = exp(scale * q k^T + masks - logsumexp), recomputed from the forward's logsumexp.
+template <typename T>
+void sdpa_weights(T* weights, const T* logsumexp, const View4<const T>& q, const View4<const T>& k,
+                  const AttnConfig<T>& cfg);
+
+// The dropout keep-mask (N, H, L, S) that sdpa_* use for `seed` and `p`: true where a weight is kept.
+void dropout_mask(bool* keep, int64_t count, double p, uint64_t seed);
+
+}  // namespace attnpp

@@ -1,0 +1,314 @@
+// Python bindings of the attnpp core. Thin: check that buffers agree, take their pointers and strides, release
+// the GIL, call the kernel. User-facing validation (argument names, broadcasting) lives in python/attnpp.
+#include <omp.h>
+#include <pybind11/numpy.h>
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <memory>
+#include <string>
+
+#include "attention.hpp"
+#include "linear.hpp"
+
+namespace py = pybind11;
+using namespace attnpp;
+
+namespace {
+
+std::string shape_str(const py::array& a) {
+  std::string s = "(";
+  for (py::ssize_t i = 0; i < a.ndim(); ++i) s += (i ? ", " : "") + std::to_string(a.shape(i));
+  return s + (a.ndim() == 1 ? ",)" : ")");
+}
+
+template <typename T>
+void check_dtype(const py::array& a, const char* name) {
+  if (!a.dtype().is(py::dtype::of<T>()))
+    throw py::type_error(std::string(name) + ": expected dtype " + std::string(py::str(py::dtype::of<T>())) +
+                         ", got " + std::string(py::str(a.dtype())));
+}
+
+// A 4-D array as (N, H, rows, cols) with its last dimension contiguous.
+template <typename T, typename A>
+View4<A> view4(const py::array& a, const char* name, bool writeable) {
+  check_dtype<T>(a, name);
+  if (a.ndim() != 4) throw py::value_error(std::string(name) + ": expected 4 dimensions, got " + shape_str(a));
+  if (a.shape(3) > 1 && a.strides(3) != py::ssize_t(sizeof(T)))
+    throw py::value_error(std::string(name) + ": the last dimension must be contiguous");
+  for (int d = 0; d < 3; ++d)
+    if (a.strides(d) % py::ssize_t(sizeof(T)))
+      throw py::value_error(std::string(name) + ": strides must be multiples of the item size");
+  if (writeable && !a.writeable()) throw py::value_error(std::string(name) + ": output array is read-only");
+  A* data = static_cast<A*>(const_cast<void*>(a.data()));  // written only when `writeable` was checked
+  const auto st = [&](int d) { return int64_t(a.strides(d) / py::ssize_t(sizeof(T))); };
+  return View4<A>{data, st(0), st(1), st(2)};
+}
+
+void expect_shape(const py::array& a, const char* name, std::initializer_list<int64_t> shape) {
+  bool ok = a.ndim() == py::ssize_t(shape.size());
+  int d = 0;
+  for (int64_t s : shape) ok = ok && a.shape(d++) == s;
+  if (!ok) {
+    std::string want = "(";
+    d = 0;
+    for (int64_t s : shape) want += (d++ ? ", " : "") + std::to_string(s);
+    throw py::value_error(std::string(name) + ": expected shape " + want + "), got " + shape_str(a));
+  }
+}
+
+template <typename T>
+T* contiguous_ptr(const py::array& a, const char* name, bool writeable) {
+  check_dtype<T>(a, name);
+  if (!(a.flags() & py::array::c_style)) throw py::value_error(std::string(name) + ": must be C-contiguous");
+  if (writeable && !a.writeable()) throw py::value_error(std::string(name) + ": output array is read-only");
+  return static_cast<T*>(const_cast<void*>(a.data()));
+}
+
+// Masks arrive as (array, batch_offsets (N,) int64, h_stride, l_stride, s_stride), strides in elements.
+using MaskArg = std::tuple<py::array, py::array_t<int64_t, py::array::c_style>, int64_t, int64_t, int64_t>;
+
+template <typename T>
+AttnConfig<T> make_config(const py::array& q, const py::array& k, int64_t Dv, const std::vector<MaskArg>& masks,
+                          double scale, int causal, double dropout_p, uint64_t seed) {
+  AttnConfig<T> cfg;
+  cfg.N = q.shape(0), cfg.Hq = q.shape(1), cfg.L = q.shape(2), cfg.D = q.shape(3);
+  cfg.Hk = k.shape(1), cfg.S = k.shape(2), cfg.Dv = Dv;
+  expect_shape(k, "key", {cfg.N, cfg.Hk, cfg.S, cfg.D});
+  if (cfg.Hk == 0 ? cfg.Hq != 0 : cfg.Hq % cfg.Hk != 0)
+    throw py::value_error("query heads (" + std::to_string(cfg.Hq) + ") must be a multiple of key heads (" +
+                          std::to_string(cfg.Hk) + ")");
+  if (causal < 0 || causal > 2) throw py::value_error("causal must be 0, 1 or 2");
+  if (!(dropout_p >= 0 && dropout_p < 1)) throw py::value_error("dropout_p must be in [0, 1)");
+  cfg.scale = T(scale), cfg.causal = Causal(causal), cfg.dropout_p = dropout_p, cfg.seed = seed;
+  for (const auto& m : masks) {
+    const auto& offsets = std::get<1>(m);
+    if (offsets.ndim() != 1 || offsets.shape(0) != cfg.N)
+      throw py::value_error("mask batch offsets: expected shape (" + std::to_string(cfg.N) + ",)");
+    check_dtype<T>(std::get<0>(m), "attn_mask");
+    cfg.masks.push_back(MaskView<T>{static_cast<const T*>(std::get<0>(m).data()), offsets.data(), std::get<2>(m),
+                                    std::get<3>(m), std::get<4>(m)});
+  }
+  return cfg;
+}
+
+template <typename T>
+void sdpa_forward_t(const py::array& out, const py::array& lse, const py::array& q, const py::array& k,
+                    const py::array& v, const std::vector<MaskArg>& masks, double scale, int causal,
+                    double dropout_p, uint64_t seed) {
+  const auto qv = view4<T, const T>(q, "query", false), kv = view4<T, const T>(k, "key", false);
+  const auto vv = view4<T, const T>(v, "value", false);
+  const auto cfg = make_config<T>(q, k, v.shape(3), masks, scale, causal, dropout_p, seed);
+  expect_shape(v, "value", {cfg.N, cfg.Hk, cfg.S, cfg.Dv});
+  expect_shape(out, "out", {cfg.N, cfg.Hq, cfg.L, cfg.Dv});
+  expect_shape(lse, "logsumexp", {cfg.N, cfg.Hq, cfg.L});
+  const auto ov = view4<T, T>(out, "out", true);
+  T* lse_p = contiguous_ptr<T>(lse, "logsumexp", true);
+  py::gil_scoped_release release;
+  sdpa_forward<T>(ov, lse_p, qv, kv, vv, cfg);
+}
+
+template <typename T>
+void sdpa_backward_t(const py::array& dq, const py::array& dk, const py::array& dv, const py::array& dout,
+                     const py::array& out, const py::array& lse, const py::array& q, const py::array& k,
+                     const py::array& v, const std::vector<MaskArg>& masks, double scale, int causal,
+                     double dropout_p, uint64_t seed) {
+  const auto qv = view4<T, const T>(q, "query", false), kv = view4<T, const T>(k, "key", false);
+  const auto vv = view4<T, const T>(v, "value", false);
+  const auto cfg = make_config<T>(q, k, v.shape(3), masks, scale, causal, dropout_p, seed);
+  expect_shape(v, "value", {cfg.N, cfg.Hk, cfg.S, cfg.Dv});
+  expect_shape(out, "out", {cfg.N, cfg.Hq, cfg.L, cfg.Dv});
+  expect_shape(dout, "grad_output", {cfg.N, cfg.Hq, cfg.L, cfg.Dv});
+  expect_shape(lse, "logsumexp", {cfg.N, cfg.Hq, cfg.L});
+  expect_shape(dq, "grad_query", {cfg.N, cfg.Hq, cfg.L, cfg.D});
+  expect_shape(dk, "grad_key", {cfg.N, cfg.Hk, cfg.S, cfg.D});
+  expect_shape(dv, "grad_value", {cfg.N, cfg.Hk, cfg.S, cfg.Dv});
+  const auto ov = view4<T, const T>(out, "out", false), dov = view4<T, const T>(dout, "grad_output", false);
+  const T* lse_p = contiguous_ptr<T>(lse, "logsumexp", false);
+  const auto dqv = view4<T, T>(dq, "grad_query", true), dkv = view4<T, T>(dk, "grad_key", true);
+  const auto dvv = view4<T, T>(dv, "grad_value", true);
+  py::gil_scoped_release release;
+  sdpa_backward<T>(dqv, dkv, dvv, dov, ov, lse_p, qv, kv, vv, cfg);
+}
+
+template <typename T>
+void sdpa_weights_t(const py::array& weights, const py::array& lse, const py::array& q, const py::array& k,
+                    const std::vector<MaskArg>& masks, double scale, int causal, double dropout_p,
+                    uint64_t seed) {
+  const auto qv = view4<T, const T>(q, "query", false), kv = view4<T, const T>(k, "key", false);
+  const auto cfg = make_config<T>(q, k, 0, masks, scale, causal, dropout_p, seed);
+  expect_shape(lse, "logsumexp", {cfg.N, cfg.Hq, cfg.L});
+  expect_shape(weights, "weights", {cfg.N, cfg.Hq, cfg.L, cfg.S});
+  const T* lse_p = contiguous_ptr<T>(lse, "logsumexp", false);
+  T* w = contiguous_ptr<T>(weights, "weights", true);
+  py::gil_scoped_release release;
+  sdpa_weights<T>(w, lse_p, qv, kv, cfg);
+}
+
+template <typename T>
+void linear_forward_t(const py::array& y, const py::array& x, const py::array& w, const py::object& b) {
+  const int64_t M = x.shape(0), Fin = x.shape(1), Fout = w.shape(0);
+  expect_shape(w, "weight", {Fout, Fin});
+  expect_shape(y, "out", {M, Fout});
+  const T* bp = nullptr;
+  if (!b.is_none()) {
+    const auto ba = b.cast<py::array>();
+    expect_shape(ba, "bias", {Fout});
+    bp = contiguous_ptr<T>(ba, "bias", false);
+  }
+  T* yp = contiguous_ptr<T>(y, "out", true);
+  const T *xp = contiguous_ptr<T>(x, "input", false), *wp = contiguous_ptr<T>(w, "weight", false);
+  py::gil_scoped_release release;
+  linear_forward<T>(yp, xp, wp, bp, M, Fin, Fout);
+}
+
+template <typename T>
+void linear_backward_t(const py::object& dx, const py::array& dw, const py::object& db, const py::array& dy,
+                       const py::array& x, const py::array& w) {
+  const int64_t M = x.shape(0), Fin = x.shape(1), Fout = w.shape(0);
+  expect_shape(w, "weight", {Fout, Fin});
+  expect_shape(dy, "grad_output", {M, Fout});
+  expect_shape(dw, "grad_weight", {Fout, Fin});
+  T *dxp = nullptr, *dbp = nullptr;
+  if (!dx.is_none()) {
+    const auto a = dx.cast<py::array>();
+    expect_shape(a, "grad_input", {M, Fin});
+    dxp = contiguous_ptr<T>(a, "grad_input", true);
+  }
+  if (!db.is_none()) {
+    const auto a = db.cast<py::array>();
+    expect_shape(a, "grad_bias", {Fout});
+    dbp = contiguous_ptr<T>(a, "grad_bias", true);
+  }
+  T* dwp = contiguous_ptr<T>(dw, "grad_weight", true);
+  const T *dyp = contiguous_ptr<T>(dy, "grad_output", false), *xp = contiguous_ptr<T>(x, "input", false);
+  const T* wp = contiguous_ptr<T>(w, "weight", false);
+  py::gil_scoped_release release;
+  linear_backward<T>(dxp, dwp, dbp, dyp, xp, wp, M, Fin, Fout);
+}
+
+// Calls f<float> or f<double> by the dtype of `a`.
+template <template <typename> class F, typename... Args>
+void dispatch(const py::array& a, const char* name, Args&&... args) {
+  if (a.dtype().is(py::dtype::of<float>()))
+    F<float>::run(std::forward<Args>(args)...);
+  else if (a.dtype().is(py::dtype::of<double>()))
+    F<double>::run(std::forward<Args>(args)...);
+  else
+    throw py::type_error(std::string(name) + ": expected dtype float32 or float64, got " +
+                         std::string(py::str(a.dtype())));
+}
+
+#define ATTNPP_FUNCTOR(name)                                      \
+  template <typename T>                                           \
+  struct name##_f {                                               \
+    template <typename... A>                                      \
+    static void run(A&&... a) { name##_t<T>(std::forward<A>(a)...); } \
+  };
+ATTNPP_FUNCTOR(sdpa_forward)
+ATTNPP_FUNCTOR(sdpa_backward)
+ATTNPP_FUNCTOR(sdpa_weights)
+ATTNPP_FUNCTOR(linear_forward)
+ATTNPP_FUNCTOR(linear_backward)
+
+// A parameter's value and gradient, owned by the core; Python sees both as NumPy arrays sharing this memory.
+class Parameter {
+ public:
+  Parameter(std::vector<py::ssize_t> shape, const py::dtype& dtype) : shape_(std::move(shape)), dtype_(dtype) {
+    if (!dtype.is(py::dtype::of<float>()) && !dtype.is(py::dtype::of<double>()))
+      throw py::type_error("dtype: expected float32 or float64, got " + std::string(py::str(dtype)));
+    size_ = 1;
+    for (auto s : shape_) {
+      if (s < 0) throw py::value_error("shape: dimensions must be non-negative");
+      size_ *= s;
+    }
+    data_.reset(new double[size_ ? size_ : 1]());  // zeroed; double storage is aligned for both dtypes
+    grad_.reset(new double[size_ ? size_ : 1]());
+  }
+  py::array view(const py::object& self, bool grad) const {
+    return py::array(dtype_, shape_, {}, grad ? grad_.get() : data_.get(), self);
+  }
+  void assign(const py::object& self, const py::object& value, bool grad) {
+    py::array dst = view(self, grad);
+    py::array src = py::array::ensure(value);
+    if (!src) throw py::type_error("expected an array");
+    if (src.ndim() != dst.ndim() || !std::equal(shape_.begin(), shape_.end(), src.shape()))
+      throw py::value_error("expected shape " + shape_str(dst) + ", got " + shape_str(src));
+    py::module_::import("numpy").attr("copyto")(dst, src, py::arg("casting") = "same_kind");
+  }
+  const std::vector<py::ssize_t>& shape() const { return shape_; }
+  const py::dtype& dtype() const { return dtype_; }
+  void zero_grad() { std::fill(grad_.get(), grad_.get() + size_, 0.0); }
+
+ private:
+  std::vector<py::ssize_t> shape_;
+  py::dtype dtype_;
+  py::ssize_t size_ = 0;
+  std::unique_ptr<double[]> data_, grad_;
+};
+
+}  // namespace
+
+PYBIND11_MODULE(_core, m) {
+  m.doc() = "attnpp's C++ core. Use attnpp.functional and attnpp.nn instead of calling this directly.";
+
+  m.def("set_num_threads", [](int n) {
+    if (n < 1) throw py::value_error("set_num_threads: n must be >= 1, got " + std::to_string(n));
+    omp_set_num_threads(n);
+  });
+  m.def("get_num_threads", []() { return omp_get_max_threads(); });
+
+  m.def("sdpa_forward", [](const py::array& out, const py::array& lse, const py::array& q, const py::array& k,
+                           const py::array& v, const std::vector<MaskArg>& masks, double scale, int causal,
+                           double dropout_p, uint64_t seed) {
+    dispatch<sdpa_forward_f>(q, "query", out, lse, q, k, v, masks, scale, causal, dropout_p, seed);
+  });
+  m.def("sdpa_backward", [](const py::array& dq, const py::array& dk, const py::array& dv, const py::array& dout,
+                            const py::array& out, const py::array& lse, const py::array& q, const py::array& k,
+                            const py::array& v, const std::vector<MaskArg>& masks, double scale, int causal,
+                            double dropout_p, uint64_t seed) {
+    dispatch<sdpa_backward_f>(q, "query", dq, dk, dv, dout, out, lse, q, k, v, masks, scale, causal, dropout_p,
+                              seed);
+  });
+  m.def("sdpa_weights", [](const py::array& weights, const py::array& lse, const py::array& q, const py::array& k,
+                           const std::vector<MaskArg>& masks, double scale, int causal, double dropout_p,
+                           uint64_t seed) {
+    dispatch<sdpa_weights_f>(q, "query", weights, lse, q, k, masks, scale, causal, dropout_p, seed);
+  });
+  m.def("dropout_mask", [](std::vector<py::ssize_t> shape, double p, uint64_t seed) {
+    py::array_t<bool> keep(shape);
+    bool* ptr = keep.mutable_data();
+    const int64_t count = keep.size();
+    py::gil_scoped_release release;
+    dropout_mask(ptr, count, p, seed);
+    return keep;
+  });
+  m.def("linear_forward", [](const py::array& y, const py::array& x, const py::array& w, const py::object& b) {
+    dispatch<linear_forward_f>(x, "input", y, x, w, b);
+  });
+  m.def("linear_backward", [](const py::object& dx, const py::array& dw, const py::object& db, const py::array& dy,
+                              const py::array& x, const py::array& w) {
+    dispatch<linear_backward_f>(x, "input", dx, dw, db, dy, x, w);
+  });
+
+  py::class_<Parameter>(m, "Parameter", R"doc(
+A trainable array owned by attnpp's core, with its gradient beside it.
+
+``data`` and ``grad`` are NumPy arrays of shape ``shape`` and dtype ``dtype`` that share memory with the core
+(no copy): writing into them changes the parameter. Assigning an array to ``data`` or ``grad`` copies it in
+(same shape required, else ValueError).
+)doc")
+      .def(py::init<std::vector<py::ssize_t>, py::dtype>(), py::arg("shape"), py::arg("dtype"))
+      .def_property(
+          "data", [](const py::object& self) { return self.cast<const Parameter&>().view(self, false); },
+          [](const py::object& self, const py::object& v) { self.cast<Parameter&>().assign(self, v, false); })
+      .def_property(
+          "grad", [](const py::object& self) { return self.cast<const Parameter&>().view(self, true); },
+          [](const py::object& self, const py::object& v) { self.cast<Parameter&>().assign(self, v, true); })
+      .def_property_readonly("shape", [](const Parameter& p) { return py::tuple(py::cast(p.shape())); })
+      .def_property_readonly("dtype", &Parameter::dtype)
+      .def("zero_grad", &Parameter::zero_grad)
+      .def("__repr__", [](const py::object& self) {
+        return "Parameter(" + std::string(py::repr(self.attr("data"))) + ")";
+      });
+}

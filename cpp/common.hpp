@@ -1,0 +1,81 @@
+// Shared pieces of the attnpp core: strided views, masks, the dropout hash.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <vector>
+
+#include <Eigen/Dense>
+
+namespace attnpp {
+
+template <typename T>
+using RowMat = Eigen::Matrix<T, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
+template <typename T>
+using MapRows = Eigen::Map<RowMat<T>, 0, Eigen::OuterStride<>>;  // rows strided, columns contiguous
+template <typename T>
+using MapRowsC = Eigen::Map<const RowMat<T>, 0, Eigen::OuterStride<>>;
+
+// A 4-D array (N, H, rows, cols) whose last dimension is contiguous; strides in elements.
+template <typename T>
+struct View4 {
+  T* data = nullptr;
+  int64_t n = 0, h = 0, row = 0;  // strides of the batch, head and row dimensions
+  T* at(int64_t in, int64_t ih, int64_t ir) const { return data + in * n + ih * h + ir * row; }
+};
+
+// An additive mask broadcast to (N, H, L, S): element (n, h, i, j) is
+// data[batch_offset[n] + h * h_stride + i * l_stride + j * s_stride]. Any stride may be 0.
+template <typename T>
+struct MaskView {
+  const T* data = nullptr;
+  const int64_t* batch_offset = nullptr;  // (N)
+  int64_t h_stride = 0, l_stride = 0, s_stride = 0;
+  T at(int64_t n, int64_t h, int64_t i, int64_t j) const {
+    return data[batch_offset[n] + h * h_stride + i * l_stride + j * s_stride];
+  }
+};
+
+enum class Causal : int { none = 0, top_left = 1, bottom_right = 2 };
+
+// Everything that defines one attention problem besides its buffers.
+template <typename T>
+struct AttnConfig {
+  int64_t N = 0, Hq = 0, Hk = 0, L = 0, S = 0, D = 0, Dv = 0;
+  T scale = 1;
+  Causal causal = Causal::none;
+  double dropout_p = 0.0;
+  uint64_t seed = 0;
+  std::vector<MaskView<T>> masks;  // summed into the scores
+
+  int64_t group() const { return Hq / Hk; }  // query heads per key/value head (GQA)
+  // Last key a query row may see under the causal mask (inclusive); S - 1 when not causal.
+  int64_t last_key(int64_t i) const {
+    if (causal == Causal::none) return S - 1;
+    const int64_t offset = causal == Causal::bottom_right ? S - L : 0;
+    return std::min<int64_t>(S - 1, i + offset);
+  }
+};
+
+// Counter-based dropout: the decision for element `index` of the (N, H, L, S) weights depends only on
+// (seed, index), so it is the same whatever the thread count or the tiling, and the backward recomputes
+// exactly the mask of the forward. The hash is SplitMix64's finalizer.
+inline uint64_t mix64(uint64_t x) {
+  x += 0x9E3779B97F4A7C15ULL;
+  x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ULL;
+  x = (x ^ (x >> 27)) * 0x94D049BB133111EBULL;
+  return x ^ (x >> 31);
+}
+inline bool dropout_keep(uint64_t seed, uint64_t index, double p) {
+  const uint64_t r = mix64(mix64(seed) ^ index);
+  const double u = static_cast<double>(r >> 11) * (1.0 / 9007199254740992.0);  // [0, 1)
+  return u >= p;
+}
+
+template <typename T>
+constexpr T neg_inf() {
+  return -std::numeric_limits<T>::infinity();
+}
+
+}  // namespace attnpp

@@ -1,0 +1,11 @@
+"""attnpp: attention layers for NumPy with a C++ core (Eigen, OpenMP).
+
+Every attention variant has an autograd-free forward and a hand-written backward; outputs and gradients are
+checked against PyTorch. See ``attnpp.functional`` (stateless functions) and ``attnpp.nn`` (layers).
+"""
+from ._core import get_num_threads, set_num_threads
+from ._random import manual_seed
+from . import functional, nn
+
+__all__ = ["functional", "nn", "manual_seed", "set_num_threads", "get_num_threads"]
+__version__ = "0.1.0"

@@ -1,0 +1,39 @@
+"""attnpp's global random state: parameter initialisation and the dropout seeds drawn when none is given."""
+import numpy as np
+
+_generator = np.random.default_rng()
+
+
+def manual_seed(seed):
+    """Seed attnpp's global generator (parameter initialisation and dropout seeds drawn when none is given).
+
+    Args:
+        seed (int): any Python int; the same seed gives the same initial weights and the same dropout masks,
+            whatever the thread count.
+
+    Raises:
+        TypeError: if ``seed`` is not an int.
+    """
+    global _generator
+    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)):
+        raise TypeError(f"manual_seed: seed must be an int, got {type(seed).__name__}")
+    _generator = np.random.default_rng(int(seed) % 2**64)
+
+
+def generator():
+    """The global ``numpy.random.Generator`` used to initialise parameters."""
+    return _generator
+
+
+def next_seed():
+    """A fresh 63-bit dropout seed from the global generator."""
+    return int(_generator.integers(0, 2**63))
+
+
+def check_seed(seed, name="seed"):
+    """``seed`` as an unsigned 64-bit int, or a fresh one when it is None."""
+    if seed is None:
+        return next_seed()
+    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)):
+        raise TypeError(f"{name}: expected an int or None, got {type(seed).__name__}")
+    return int(seed) % 2**64

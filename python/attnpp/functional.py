@@ -1,0 +1,366 @@
+"""Stateless attention functions: each forward with its hand-written backward, on NumPy arrays.
+
+Shape letters: B... any leading (batch) dimensions, H heads (Hq of the query, Hk of key and value), L query
+length, S key/value length, D query/key head width, Dv value head width.
+"""
+import math
+
+import numpy as np
+
+from . import _core
+from ._random import check_seed
+
+__all__ = [
+    "scaled_dot_product_attention",
+    "scaled_dot_product_attention_forward",
+    "scaled_dot_product_attention_backward",
+    "scaled_dot_product_attention_weights",
+    "dropout_mask",
+    "linear",
+    "linear_backward",
+]
+
+_FLOATS = (np.dtype(np.float32), np.dtype(np.float64))
+_CAUSAL = {"top_left": 1, "bottom_right": 2}
+
+
+# ----------------------------------------------------------------------------------------------- validation
+def check_array(x, name, ndim=None, min_ndim=None, dtype=None):
+    """``x`` as an ndarray of float32 or float64 (and of ``dtype`` when given), else TypeError/ValueError."""
+    if not isinstance(x, np.ndarray):
+        raise TypeError(f"{name}: expected a numpy.ndarray, got {type(x).__name__}")
+    if x.dtype not in _FLOATS:
+        raise TypeError(f"{name}: expected dtype float32 or float64, got {x.dtype}")
+    if dtype is not None and x.dtype != dtype:
+        raise TypeError(f"{name}: expected dtype {np.dtype(dtype)} (like the other inputs), got {x.dtype}")
+    if ndim is not None and x.ndim not in np.atleast_1d(ndim):
+        raise ValueError(f"{name}: expected {ndim} dimensions, got shape {x.shape}")
+    if min_ndim is not None and x.ndim < min_ndim:
+        raise ValueError(f"{name}: expected at least {min_ndim} dimensions, got shape {x.shape}")
+    return x
+
+
+def additive_mask(mask, dtype, name, true_means_masked):
+    """A boolean or float mask as a float mask to add to the scores (0 or -inf for booleans)."""
+    if not isinstance(mask, np.ndarray):
+        raise TypeError(f"{name}: expected a numpy.ndarray, got {type(mask).__name__}")
+    if mask.dtype == np.bool_:
+        hidden = mask if true_means_masked else ~mask
+        return np.where(hidden, -np.inf, 0.0).astype(dtype)
+    if mask.dtype != dtype:
+        raise TypeError(f"{name}: expected dtype bool or {np.dtype(dtype)} (the query's), got {mask.dtype}")
+    return mask
+
+
+def mask_arg(mask, full_shape):
+    """The core's view of an additive mask broadcast to ``full_shape`` = (B..., H, L, S).
+
+    Returns (mask, batch_offsets (N,), h_stride, l_stride, s_stride), strides in elements, no copy.
+    """
+    view = np.broadcast_to(mask, full_shape)
+    strides = np.array(view.strides, dtype=np.int64) // view.itemsize
+    batch = full_shape[:-3]
+    if batch:
+        idx = np.indices(batch).reshape(len(batch), -1)
+        offsets = (strides[: len(batch), None] * idx).sum(axis=0)
+    else:
+        offsets = np.zeros(1, dtype=np.int64)
+    return (view, np.ascontiguousarray(offsets, dtype=np.int64), int(strides[-3]), int(strides[-2]),
+            int(strides[-1]))
+
+
+def _broadcast_shape(name, *shapes):
+    try:
+        return np.broadcast_shapes(*shapes)
+    except ValueError:
+        raise ValueError(f"{name}: shapes {', '.join(map(str, shapes))} do not broadcast") from None
+
+
+class _Problem:
+    """A validated attention call: the inputs seen as (N, H, rows, cols) plus everything the core needs."""
+
+    def __init__(self, query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, seed,
+                 causal_alignment, need_seed=False):
+        query = check_array(query, "query", min_ndim=2)
+        dtype = query.dtype
+        key = check_array(key, "key", min_ndim=2, dtype=dtype)
+        if value is not None:
+            value = check_array(value, "value", min_ndim=2, dtype=dtype)
+        if query.shape[-1] != key.shape[-1]:
+            raise ValueError(f"query and key must have the same last dimension (D), got query {query.shape} "
+                             f"and key {key.shape}")
+        if value is not None and value.shape[-2] != key.shape[-2]:
+            raise ValueError(f"key and value must have the same length S (dimension -2), got key {key.shape} "
+                             f"and value {value.shape}")
+        if not isinstance(dropout_p, (int, float)) or not 0.0 <= dropout_p < 1.0:
+            raise ValueError(f"dropout_p must be a float in [0, 1), got {dropout_p!r}")
+        if causal_alignment not in _CAUSAL:
+            raise ValueError(f"causal_alignment must be 'top_left' or 'bottom_right', got {causal_alignment!r}")
+        if is_causal and attn_mask is not None:
+            raise ValueError("attn_mask must be None when is_causal=True (as in PyTorch): pass one or the other")
+        self.dtype = dtype
+        self.unbatched = query.ndim == 2 and key.ndim == 2 and (value is None or value.ndim == 2)
+        L, D, S = query.shape[-2], query.shape[-1], key.shape[-2]
+        Dv = value.shape[-1] if value is not None else 0
+        lead = lambda x: (x.shape[:-2] if x.ndim >= 3 else (1,)) if x is not None else ()  # (B..., H)
+        q_lead, k_lead = lead(query), lead(key)
+        v_lead = lead(value) if value is not None else k_lead
+        if enable_gqa:
+            if min(len(q_lead), len(k_lead), len(v_lead)) < 1 or query.ndim < 3 or key.ndim < 3:
+                raise ValueError("enable_gqa=True needs a heads dimension (-3) in query, key and value")
+            Hq, Hk = q_lead[-1], k_lead[-1]
+            if v_lead[-1] != Hk or Hk == 0 or Hq % Hk:
+                raise ValueError(f"enable_gqa=True: query heads must be a multiple of key heads, and key and "
+                                 f"value heads must be equal; got query {query.shape}, key {key.shape}, value "
+                                 f"{None if value is None else value.shape}")
+            batch = _broadcast_shape("query, key and value batch dimensions", q_lead[:-1], k_lead[:-1],
+                                     v_lead[:-1])
+        else:
+            full = _broadcast_shape("query, key and value batch and head dimensions", q_lead, k_lead, v_lead)
+            batch, Hq = full[:-1], full[-1]
+            Hk = Hq
+        self.batch, self.Hq, self.Hk, self.L, self.S, self.D, self.Dv = batch, Hq, Hk, L, S, D, Dv
+        self.N = int(np.prod(batch, dtype=np.int64))
+        self.query, self.key, self.value = query, key, value
+        self.q4 = self._as4(query, Hq, L, D)
+        self.k4 = self._as4(key, Hk, S, D)
+        self.v4 = self._as4(value, Hk, S, Dv) if value is not None else np.zeros((self.N, Hk, S, 0), dtype)
+        self.scale = float(1.0 / math.sqrt(D) if scale is None else scale)
+        self.causal = _CAUSAL[causal_alignment] if is_causal else 0
+        self.dropout_p = float(dropout_p)
+        if need_seed and dropout_p > 0 and seed is None:
+            raise ValueError("seed: the backward with dropout_p > 0 needs the seed given to the forward")
+        self.seed = check_seed(seed) if dropout_p > 0 else 0
+        self.masks = []
+        if attn_mask is not None:
+            m = additive_mask(attn_mask, dtype, "attn_mask", true_means_masked=False)
+            full_shape = tuple(batch) + (Hq, L, S)
+            try:
+                if np.broadcast_shapes(m.shape, full_shape) != full_shape:
+                    raise ValueError
+            except ValueError:
+                raise ValueError(f"attn_mask: shape {attn_mask.shape} does not broadcast to (B..., Hq, L, S) = "
+                                 f"{full_shape}") from None
+            self.masks.append(mask_arg(m, full_shape))
+
+    def _as4(self, x, H, rows, cols):
+        x4 = np.broadcast_to(x, tuple(self.batch) + (H, rows, cols)).reshape(self.N, H, rows, cols)
+        return x4 if cols <= 1 or x4.strides[-1] == x4.itemsize else np.ascontiguousarray(x4)
+
+    def core_args(self):
+        return self.masks, self.scale, self.causal, self.dropout_p, self.seed
+
+    def out_shape(self, *tail):
+        return tuple(tail) if self.unbatched else tuple(self.batch) + (self.Hq,) + tuple(tail)
+
+    def reduce_to(self, grad4, x):
+        """A gradient (N, H, rows, cols) of a broadcast input, summed back to the shape of ``x``."""
+        g = grad4.reshape(tuple(self.batch) + grad4.shape[1:])
+        extra = g.ndim - x.ndim
+        if extra > 0:
+            g = g.sum(axis=tuple(range(extra)))
+        axes = tuple(i for i, (gs, xs) in enumerate(zip(g.shape, x.shape)) if xs == 1 and gs != 1)
+        if axes:
+            g = g.sum(axis=axes, keepdims=True)
+        return np.ascontiguousarray(g.reshape(x.shape))
+
+
+_ARGS_DOC = """
+    Args:
+        query (ndarray): (B..., Hq, L, D), or (L, D) unbatched; float32 or float64.
+        key (ndarray): (B..., Hk, S, D), same dtype. B... broadcasts against the query's.
+        value (ndarray): (B..., Hk, S, Dv), same dtype.
+        attn_mask (ndarray, optional): broadcastable to (B..., Hq, L, S). Boolean: True where a key *takes part*
+            (False masks it out). Float (the query's dtype): added to the scores. Default: None.
+        dropout_p (float): probability of zeroing each attention weight, in [0, 1); the kept ones are scaled by
+            1 / (1 - dropout_p). Default: 0.0.
+        is_causal (bool): mask the keys after each query (upper triangle), aligned top-left when L != S, as in
+            PyTorch (see ``causal_alignment``). Needs ``attn_mask=None``. Default: False.
+        scale (float, optional): factor on q k^T. Default: 1 / sqrt(D).
+        enable_gqa (bool): grouped-query attention: Hq a multiple of Hk, query head h uses key/value head
+            h // (Hq // Hk). Default: False (then H broadcasts like the batch dimensions).
+        seed (int, optional): dropout seed. The same seed gives the same mask, whatever the thread count. None
+            draws one from attnpp's global generator (see ``attnpp.manual_seed``). Default: None.
+        causal_alignment (str): ``"top_left"`` (PyTorch's ``is_causal``: query i sees keys j <= i) or
+            ``"bottom_right"`` (query i sees keys j <= i + S - L, like ``causal_lower_right``). Default:
+            ``"top_left"``.
+"""
+_ERRORS_DOC = """
+    Raises:
+        TypeError: an input that is not a float32/float64 ndarray, mixed dtypes, a mask of another dtype.
+        ValueError: shapes that do not agree or broadcast (named with their shapes), a mask that does not
+            broadcast to (B..., Hq, L, S), dropout_p outside [0, 1), attn_mask given with is_causal=True.
+
+    A query row whose keys are all masked gives output 0 and gradient 0, never NaN (as PyTorch >= 2.5).
+    Method: Vaswani et al., "Attention Is All You Need" (2017); computed as FlashAttention-2 (Dao, 2023): key
+    blocks with an online softmax, only the output and the log-sum-exp saved, so memory grows with L, not L*S.
+"""
+
+
+def scaled_dot_product_attention_forward(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
+                                         scale=None, enable_gqa=False, *, seed=None,
+                                         causal_alignment="top_left"):
+    p = _Problem(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, seed, causal_alignment)
+    out = np.empty((p.N, p.Hq, p.L, p.Dv), p.dtype)
+    lse = np.empty((p.N, p.Hq, p.L), p.dtype)
+    _core.sdpa_forward(out, lse, p.q4, p.k4, p.v4, *p.core_args())
+    return out.reshape(p.out_shape(p.L, p.Dv)), lse.reshape(p.out_shape(p.L))
+
+
+scaled_dot_product_attention_forward.__doc__ = """Attention forward that also returns what the backward needs.
+
+    ``softmax(scale * query key^T + attn_mask) value``, with dropout on the weights.
+""" + _ARGS_DOC + """
+    Returns:
+        (output, logsumexp): output (B..., Hq, L, Dv) (or (L, Dv) unbatched); logsumexp (B..., Hq, L), the
+        log of each row's softmax denominator (-inf for a fully masked row).
+
+    Dropout: the kept weights are those where ``dropout_mask((*B, Hq, L, S), dropout_p, seed)`` is True (B...
+    the broadcast batch shape), so a caller recovers the mask from the seed. Pass the same seed to the backward.
+""" + _ERRORS_DOC
+
+
+def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+                                 enable_gqa=False, *, seed=None, causal_alignment="top_left"):
+    return scaled_dot_product_attention_forward(query, key, value, attn_mask, dropout_p, is_causal, scale,
+                                                enable_gqa, seed=seed, causal_alignment=causal_alignment)[0]
+
+
+scaled_dot_product_attention.__doc__ = """Scaled dot-product attention, as ``torch.nn.functional.scaled_dot_product_attention``.
+
+    ``softmax(scale * query key^T + attn_mask) value``, with dropout on the weights.
+""" + _ARGS_DOC + """
+    Returns:
+        output (ndarray): (B..., Hq, L, Dv), or (L, Dv) unbatched.
+""" + _ERRORS_DOC
+
+
+def scaled_dot_product_attention_backward(grad_output, query, key, value, output, logsumexp, attn_mask=None,
+                                          dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False, *,
+                                          seed=None, causal_alignment="top_left"):
+    p = _Problem(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, seed, causal_alignment,
+                 need_seed=True)
+    for name, arr, shape in (("grad_output", grad_output, p.out_shape(p.L, p.Dv)),
+                             ("output", output, p.out_shape(p.L, p.Dv)),
+                             ("logsumexp", logsumexp, p.out_shape(p.L))):
+        check_array(arr, name, dtype=p.dtype)
+        if arr.shape != shape:
+            raise ValueError(f"{name}: expected shape {shape}, got {arr.shape}")
+    four = lambda a, tail: np.ascontiguousarray(a).reshape((p.N, p.Hq) + tail)
+    dq = np.zeros((p.N, p.Hq, p.L, p.D), p.dtype)
+    dk = np.zeros((p.N, p.Hk, p.S, p.D), p.dtype)
+    dv = np.zeros((p.N, p.Hk, p.S, p.Dv), p.dtype)
+    _core.sdpa_backward(dq, dk, dv, four(grad_output, (p.L, p.Dv)), four(output, (p.L, p.Dv)),
+                        four(logsumexp, (p.L,)), p.q4, p.k4, p.v4, *p.core_args())
+    return p.reduce_to(dq, query), p.reduce_to(dk, key), p.reduce_to(dv, value)
+
+
+scaled_dot_product_attention_backward.__doc__ = """Gradients of ``scaled_dot_product_attention_forward``.
+
+    Recomputes each block of attention weights from ``logsumexp`` (FlashAttention-2's backward): memory grows
+    with L, not L*S.
+
+    Args:
+        grad_output (ndarray): (B..., Hq, L, Dv) (or (L, Dv) unbatched), the gradient of the loss with respect
+            to ``output``; the inputs' dtype.
+        query, key, value (ndarray): the forward's inputs.
+        output (ndarray): (B..., Hq, L, Dv), the forward's output.
+        logsumexp (ndarray): (B..., Hq, L), the forward's log-sum-exp.
+        attn_mask, dropout_p, is_causal, scale, enable_gqa, causal_alignment: exactly as given to the forward.
+        seed (int): the forward's dropout seed; required when dropout_p > 0 (ValueError otherwise).
+
+    Returns:
+        (grad_query, grad_key, grad_value), each of its input's shape (summed over broadcast dimensions).
+""" + _ERRORS_DOC
+
+
+def scaled_dot_product_attention_weights(query, key, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+                                         enable_gqa=False, *, seed=None, causal_alignment="top_left",
+                                         logsumexp=None):
+    p = _Problem(query, key, None, attn_mask, dropout_p, is_causal, scale, enable_gqa, seed, causal_alignment)
+    if logsumexp is None:  # a forward with Dv = 0 computes the log-sum-exp alone
+        lse = np.empty((p.N, p.Hq, p.L), p.dtype)
+        _core.sdpa_forward(np.empty((p.N, p.Hq, p.L, 0), p.dtype), lse, p.q4, p.k4, p.v4, *p.core_args())
+    else:
+        check_array(logsumexp, "logsumexp", dtype=p.dtype)
+        if logsumexp.shape != p.out_shape(p.L):
+            raise ValueError(f"logsumexp: expected shape {p.out_shape(p.L)}, got {logsumexp.shape}")
+        lse = np.ascontiguousarray(logsumexp).reshape(p.N, p.Hq, p.L)
+    weights = np.empty((p.N, p.Hq, p.L, p.S), p.dtype)
+    _core.sdpa_weights(weights, lse, p.q4, p.k4, *p.core_args())
+    return weights.reshape(p.out_shape(p.L, p.S))
+
+
+scaled_dot_product_attention_weights.__doc__ = """The attention weights ``softmax(scale * query key^T + attn_mask)``.
+
+    Materializes (B..., Hq, L, S): for inspection and plots, not needed by the forward or backward. With
+    dropout_p > 0 the weights are those after dropout (zeros and 1 / (1 - dropout_p) scaling), for ``seed``.
+
+    Args: as ``scaled_dot_product_attention`` without ``value``; ``logsumexp`` (B..., Hq, L), optional, the
+    forward's, saves recomputing it.
+
+    Returns:
+        weights (ndarray): (B..., Hq, L, S), or (L, S) unbatched; fully masked rows are 0.
+""" + _ERRORS_DOC
+
+
+def dropout_mask(shape, p, seed):
+    """The dropout keep-mask that attnpp uses for ``seed``: True where a weight is kept.
+
+    For an attention call with broadcast batch shape B..., Hq query heads, L queries and S keys, ``shape`` is
+    (*B, Hq, L, S): the weights kept are ``dropout_mask(shape, dropout_p, seed)``, each scaled by
+    1 / (1 - dropout_p). Element i (in C order) is kept when a hash of (seed, i) is at least p, so the mask
+    does not depend on the thread count.
+
+    Args:
+        shape (tuple of int): the weights' shape.
+        p (float): dropout probability in [0, 1).
+        seed (int): the seed given to (or drawn by) the forward.
+
+    Returns:
+        ndarray of bool, of ``shape``.
+    """
+    if not 0.0 <= p < 1.0:
+        raise ValueError(f"p must be in [0, 1), got {p!r}")
+    return _core.dropout_mask([int(s) for s in shape], float(p), check_seed(seed))
+
+
+def linear(input, weight, bias=None):
+    """``input @ weight.T + bias``, as ``torch.nn.functional.linear``.
+
+    Args:
+        input (ndarray): (*, Fin), float32 or float64.
+        weight (ndarray): (Fout, Fin), same dtype.
+        bias (ndarray, optional): (Fout,). Default: None.
+
+    Returns:
+        ndarray (*, Fout).
+
+    Raises:
+        TypeError: non-float or mixed dtypes. ValueError: shapes that do not agree.
+    """
+    input = check_array(input, "input", min_ndim=1)
+    weight = check_array(weight, "weight", ndim=2, dtype=input.dtype)
+    if bias is not None:
+        check_array(bias, "bias", ndim=1, dtype=input.dtype)
+        if bias.shape[0] != weight.shape[0]:
+            raise ValueError(f"bias: expected shape ({weight.shape[0]},), got {bias.shape}")
+    if input.shape[-1] != weight.shape[1]:
+        raise ValueError(f"input: last dimension must be weight's in_features {weight.shape[1]}, got input "
+                         f"{input.shape} and weight {weight.shape}")
+    x2 = np.ascontiguousarray(input).reshape(-1, input.shape[-1])
+    out = np.empty((x2.shape[0], weight.shape[0]), input.dtype)
+    _core.linear_forward(out, x2, np.ascontiguousarray(weight),
+                         None if bias is None else np.ascontiguousarray(bias))
+    return out.reshape(input.shape[:-1] + (weight.shape[0],))
+
+
+def linear_backward(grad_output, input, weight, grad_weight, grad_bias=None, need_input_grad=True):
+    """Gradients of ``linear``: returns grad_input (*, Fin) (None if not ``need_input_grad``) and accumulates
+    (+=) into ``grad_weight`` (Fout, Fin) and ``grad_bias`` (Fout,) when given (C-contiguous, written in place).
+    """
+    x2 = np.ascontiguousarray(input).reshape(-1, input.shape[-1])
+    dy = np.ascontiguousarray(grad_output).reshape(x2.shape[0], weight.shape[0])
+    dx = np.zeros_like(x2) if need_input_grad else None
+    _core.linear_backward(dx, grad_weight, grad_bias, dy, x2, np.ascontiguousarray(weight))
+    return None if dx is None else dx.reshape(input.shape)

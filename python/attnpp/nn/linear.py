@@ -1,0 +1,64 @@
+import math
+
+import numpy as np
+
+from .. import functional as F
+from .._random import generator
+from .module import Module
+
+
+class Linear(Module):
+    """``y = x W^T + b``, as ``torch.nn.Linear``.
+
+    Args:
+        in_features (int): Fin, the width of each input row.
+        out_features (int): Fout, the width of each output row.
+        bias (bool): learn an additive bias. Default: True.
+        dtype: float32 (default) or float64 (NumPy or torch dtype, or its name).
+
+    Parameters:
+        weight: (Fout, Fin), initialised U(-1/sqrt(Fin), 1/sqrt(Fin)) like PyTorch.
+        bias: (Fout,), same initialisation; absent when ``bias=False``.
+
+    Shapes:
+        input (*, Fin) -> output (*, Fout); ``backward(grad_output (*, Fout))`` -> grad_input (*, Fin).
+
+    Raises:
+        TypeError: input of another dtype than the layer's. ValueError: last dimension not Fin;
+        backward before forward, or twice for one forward.
+    """
+
+    def __init__(self, in_features, out_features, bias=True, dtype=None):
+        super().__init__(dtype)
+        if in_features < 0 or out_features < 0:
+            raise ValueError(f"in_features and out_features must be >= 0, got {in_features}, {out_features}")
+        self.in_features, self.out_features = int(in_features), int(out_features)
+        self.register_parameter("weight", (out_features, in_features))
+        self.bias = self.register_parameter("bias", (out_features,)) if bias else None
+        bound = 1.0 / math.sqrt(in_features) if in_features > 0 else 0.0
+        for p in self.parameters():
+            p.data[...] = generator().uniform(-bound, bound, p.shape)
+        self._input = None
+
+    def forward(self, input):
+        """input (*, Fin) -> (*, Fout)."""
+        F.check_array(input, "input", min_ndim=1, dtype=self.dtype)
+        out = F.linear(input, self.weight.data, None if self.bias is None else self.bias.data)
+        self._input = input
+        return out
+
+    def backward(self, grad_output):
+        """grad_output (*, Fout) -> grad_input (*, Fin); accumulates into weight.grad and bias.grad."""
+        if self._input is None:
+            raise ValueError("backward: call forward first (backward runs once per forward)")
+        x = self._input
+        F.check_array(grad_output, "grad_output", dtype=self.dtype)
+        if grad_output.shape != x.shape[:-1] + (self.out_features,):
+            raise ValueError(f"grad_output: expected shape {x.shape[:-1] + (self.out_features,)}, "
+                             f"got {grad_output.shape}")
+        self._input = None
+        return F.linear_backward(grad_output, x, self.weight.data, self.weight.grad,
+                                 None if self.bias is None else self.bias.grad)
+
+    def extra_repr(self):
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"

@@ -1,0 +1,127 @@
+"""The layer base class: parameters, gradients, modes and state dicts, as in torch.nn.Module."""
+import numpy as np
+
+from .._core import Parameter
+
+_DTYPES = {np.dtype(np.float32): np.float32, np.dtype(np.float64): np.float64}
+
+
+def check_dtype(dtype):
+    """``dtype`` (None means float32) as a NumPy float dtype, else TypeError."""
+    try:
+        dt = np.dtype(np.float32 if dtype is None else getattr(dtype, "numpy_dtype", dtype))
+    except TypeError:
+        dt = None
+    if dt is None and dtype is not None and str(dtype) in ("torch.float32", "torch.float64"):
+        dt = np.dtype(str(dtype)[6:])
+    if dt not in _DTYPES:
+        raise TypeError(f"dtype: expected float32 or float64, got {dtype}")
+    return dt
+
+
+def to_numpy(value, name):
+    """A state-dict value (NumPy array or torch tensor, without importing torch) as a NumPy array."""
+    if hasattr(value, "detach") and hasattr(value, "cpu"):
+        value = value.detach().cpu().numpy()
+    if not isinstance(value, np.ndarray):
+        raise TypeError(f"state_dict[{name!r}]: expected an array or tensor, got {type(value).__name__}")
+    return value
+
+
+class Module:
+    """Base class of attnpp's layers.
+
+    Subclasses create their parameters with ``self.register_parameter(name, shape)`` and sub-layers by plain
+    attribute assignment, implement ``forward(...)`` and ``backward(grad_output)``; ``backward`` returns the
+    gradients of the inputs and accumulates (+=) into each parameter's ``grad``.
+    """
+
+    def __init__(self, dtype=None):
+        object.__setattr__(self, "_parameters", {})
+        object.__setattr__(self, "_modules", {})
+        self.dtype = check_dtype(dtype)
+        self.training = True
+
+    def __setattr__(self, name, value):
+        if isinstance(value, Module):
+            self._modules[name] = value
+        object.__setattr__(self, name, value)
+
+    def register_parameter(self, name, shape):
+        """Create a zeroed parameter of ``shape`` in the layer's dtype, reachable as ``self.<name>``."""
+        param = Parameter(list(shape), self.dtype)
+        self._parameters[name] = param
+        object.__setattr__(self, name, param)
+        return param
+
+    def __call__(self, *args, **kwargs):
+        return self.forward(*args, **kwargs)
+
+    def named_parameters(self, prefix=""):
+        """Yield ``(name, param)`` for every parameter, own first, then sub-layers', as PyTorch orders them."""
+        for name, p in self._parameters.items():
+            yield prefix + name, p
+        for mname, m in self._modules.items():
+            yield from m.named_parameters(prefix + mname + ".")
+
+    def parameters(self):
+        """Yield every parameter (``attnpp.nn.Parameter``: ``.data`` and ``.grad`` are NumPy arrays)."""
+        for _, p in self.named_parameters():
+            yield p
+
+    def zero_grad(self):
+        """Set every parameter's gradient to zero."""
+        for p in self.parameters():
+            p.zero_grad()
+
+    def train(self, mode=True):
+        """Training mode (dropout active) for this layer and its sub-layers; returns self."""
+        self.training = bool(mode)
+        for m in self._modules.values():
+            m.train(mode)
+        return self
+
+    def eval(self):
+        """Evaluation mode (no dropout); returns self."""
+        return self.train(False)
+
+    def state_dict(self):
+        """``{name: array}`` for every parameter; the arrays share memory with the parameters, like PyTorch's."""
+        return {name: p.data for name, p in self.named_parameters()}
+
+    def load_state_dict(self, state_dict, strict=True):
+        """Copy values from ``state_dict`` (NumPy arrays or torch tensors, e.g. a PyTorch layer's state dict).
+
+        Every key is checked before anything is copied, so a failed load leaves the layer unchanged.
+
+        Args:
+            state_dict (Mapping[str, array]): names as in ``named_parameters()`` (PyTorch's keys).
+            strict (bool): refuse missing and unexpected keys. Default: True.
+
+        Raises:
+            ValueError: missing or unexpected keys (when strict), or a value of another shape.
+            TypeError: a value that is not an array or tensor, or not of a floating dtype.
+        """
+        own = dict(self.named_parameters())
+        missing = [k for k in own if k not in state_dict]
+        unexpected = [k for k in state_dict if k not in own]
+        if strict and (missing or unexpected):
+            raise ValueError(f"load_state_dict: missing keys {missing}, unexpected keys {unexpected}")
+        values = {}
+        for name, p in own.items():
+            if name not in state_dict:
+                continue
+            v = to_numpy(state_dict[name], name)
+            if v.dtype.kind != "f":
+                raise TypeError(f"state_dict[{name!r}]: expected a floating dtype, got {v.dtype}")
+            if v.shape != p.shape:
+                raise ValueError(f"state_dict[{name!r}]: expected shape {p.shape}, got {v.shape}")
+            values[name] = v
+        for name, v in values.items():
+            own[name].data[...] = v
+
+    def __repr__(self):
+        return f"{type(self).__name__}({self.extra_repr()})"
+
+    def extra_repr(self):
+        return ""

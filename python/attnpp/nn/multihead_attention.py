@@ -1,0 +1,281 @@
+import math
+
+import numpy as np
+
+from .. import _core
+from .. import functional as F
+from .._random import check_seed, generator
+from .linear import Linear
+from .module import Module
+
+
+class MultiheadAttention(Module):
+    r"""Multi-head attention, as ``torch.nn.MultiheadAttention``, with a hand-written backward.
+
+    ``MultiHead(Q, K, V) = Concat(head_1, ..., head_H) W_O + b_O``,
+    ``head_i = softmax((Q W_Q^i)(K W_K^i)^T / sqrt(D) + mask) (V W_V^i)`` (Vaswani et al., "Attention Is All
+    You Need", 2017). The attention itself runs on attnpp's FlashAttention-2-style kernel: the (B, H, L, S)
+    weights are only built when ``need_weights=True``.
+
+    Shape letters: B batch, L target (query) length, S source (key/value) length, E ``embed_dim``, H
+    ``num_heads``, D = E / H.
+
+    Args:
+        embed_dim (int): E, the model width.
+        num_heads (int): H; must divide ``embed_dim``.
+        dropout (float): dropout probability on the attention weights, in training mode. Default: 0.0.
+        bias (bool): biases on the input and output projections. Default: True.
+        add_bias_kv (bool): append learned vectors ``bias_k``, ``bias_v`` to the keys and values. Default: False.
+        add_zero_attn (bool): append a zero key and value. Default: False.
+        kdim (int, optional): width of ``key``. Default: E.
+        vdim (int, optional): width of ``value``. Default: E.
+        batch_first (bool): inputs and output are (B, L, E) instead of (L, B, E). Default: False.
+        dtype: float32 (default) or float64.
+
+    Parameters (PyTorch's state-dict keys): ``in_proj_weight`` (3E, E) when kdim == vdim == E, else
+    ``q_proj_weight`` (E, E), ``k_proj_weight`` (E, kdim), ``v_proj_weight`` (E, vdim); ``in_proj_bias`` (3E,);
+    ``bias_k``, ``bias_v`` (1, 1, E); ``out_proj.weight`` (E, E), ``out_proj.bias`` (E,).
+
+    Raises:
+        ValueError: ``embed_dim`` not divisible by ``num_heads``, dropout outside [0, 1).
+        TypeError: a dtype other than float32 or float64.
+    """
+
+    def __init__(self, embed_dim, num_heads, dropout=0.0, bias=True, add_bias_kv=False, add_zero_attn=False,
+                 kdim=None, vdim=None, batch_first=False, dtype=None):
+        super().__init__(dtype)
+        if embed_dim <= 0 or num_heads <= 0:
+            raise ValueError(f"embed_dim and num_heads must be > 0, got embed_dim={embed_dim}, "
+                             f"num_heads={num_heads}")
+        if embed_dim % num_heads:
+            raise ValueError(f"embed_dim must be divisible by num_heads, got embed_dim={embed_dim}, "
+                             f"num_heads={num_heads}")
+        if not 0.0 <= dropout < 1.0:
+            raise ValueError(f"dropout must be in [0, 1), got {dropout}")
+        E = self.embed_dim = int(embed_dim)
+        self.num_heads, self.head_dim = int(num_heads), E // num_heads
+        self.kdim = E if kdim is None else int(kdim)
+        self.vdim = E if vdim is None else int(vdim)
+        self.dropout, self.batch_first = float(dropout), bool(batch_first)
+        self.add_zero_attn = bool(add_zero_attn)
+        self._qkv_same_embed_dim = self.kdim == E and self.vdim == E
+        rng = generator()
+        xavier = lambda p, fan_in, fan_out: rng.uniform(-1, 1, p.shape) * math.sqrt(6.0 / (fan_in + fan_out))
+        if self._qkv_same_embed_dim:
+            w = self.register_parameter("in_proj_weight", (3 * E, E))
+            w.data[...] = xavier(w, E, 3 * E)
+            self.q_proj_weight = self.k_proj_weight = self.v_proj_weight = None
+        else:
+            self.in_proj_weight = None
+            for name, width in (("q_proj_weight", E), ("k_proj_weight", self.kdim), ("v_proj_weight", self.vdim)):
+                w = self.register_parameter(name, (E, width))
+                w.data[...] = xavier(w, width, E)
+        self.in_proj_bias = self.register_parameter("in_proj_bias", (3 * E,)) if bias else None
+        self.out_proj = Linear(E, E, bias=bias, dtype=self.dtype)
+        if bias:
+            self.out_proj.bias.data[...] = 0
+        if add_bias_kv:
+            self.bias_k = self.register_parameter("bias_k", (1, 1, E))
+            self.bias_v = self.register_parameter("bias_v", (1, 1, E))
+            for p in (self.bias_k, self.bias_v):
+                p.data[...] = rng.normal(0.0, math.sqrt(2.0 / (2 * E)), p.shape)
+        else:
+            self.bias_k = self.bias_v = None
+        self.last_seed = None  # the dropout seed of the last training forward
+        self._ctx = None
+
+    # ----------------------------------------------------------------------------------------------- helpers
+    def _proj_params(self, i):
+        """(weight, grad_weight, bias, grad_bias) of input projection i (0 query, 1 key, 2 value)."""
+        E = self.embed_dim
+        if self._qkv_same_embed_dim:
+            w = self.in_proj_weight
+            rows = slice(i * E, (i + 1) * E)
+            weight, grad_weight = w.data[rows], w.grad[rows]
+        else:
+            w = (self.q_proj_weight, self.k_proj_weight, self.v_proj_weight)[i]
+            weight, grad_weight = w.data, w.grad
+        if self.in_proj_bias is None:
+            return weight, grad_weight, None, None
+        b = slice(i * E, (i + 1) * E)
+        return weight, grad_weight, self.in_proj_bias.data[b], self.in_proj_bias.grad[b]
+
+    def _heads(self, x, bf):
+        """(B, T, E) (batch first) or (T, B, E) as a (B, H, T, D) view, no copy."""
+        H, D = self.num_heads, self.head_dim
+        if bf:
+            return x.reshape(x.shape[0], x.shape[1], H, D).transpose(0, 2, 1, 3)
+        return x.reshape(x.shape[0], x.shape[1], H, D).transpose(1, 2, 0, 3)
+
+    def _check_inputs(self, query, key, value, key_padding_mask, attn_mask, is_causal):
+        dt, E, H = self.dtype, self.embed_dim, self.num_heads
+        F.check_array(query, "query", ndim=(2, 3), dtype=dt)
+        F.check_array(key, "key", ndim=(2, 3), dtype=dt)
+        F.check_array(value, "value", ndim=(2, 3), dtype=dt)
+        if not query.ndim == key.ndim == value.ndim:
+            raise ValueError(f"query, key and value must all be batched (3-D) or all unbatched (2-D), got "
+                             f"query {query.shape}, key {key.shape}, value {value.shape}")
+        for name, x, width, wname in (("query", query, E, "embed_dim"), ("key", key, self.kdim, "kdim"),
+                                      ("value", value, self.vdim, "vdim")):
+            if x.shape[-1] != width:
+                raise ValueError(f"{name}: expected last dimension {wname}={width}, got shape {x.shape}")
+        if key.shape[:-1] != value.shape[:-1]:
+            raise ValueError(f"key and value must have the same batch and sequence dimensions, got key "
+                             f"{key.shape} and value {value.shape}")
+        batched = query.ndim == 3
+        bf = self.batch_first or not batched
+        q3, k3 = (query, key) if batched else (query[None], key[None])
+        B, L = (q3.shape[0], q3.shape[1]) if bf else (q3.shape[1], q3.shape[0])
+        Bk, S = (k3.shape[0], k3.shape[1]) if bf else (k3.shape[1], k3.shape[0])
+        if Bk != B:
+            raise ValueError(f"query and key must have the same batch size, got query {query.shape} and key "
+                             f"{key.shape} (batch_first={self.batch_first})")
+        if key_padding_mask is not None:
+            want = (B, S) if batched else (S,)
+            if not isinstance(key_padding_mask, np.ndarray) or key_padding_mask.shape != want:
+                raise ValueError(f"key_padding_mask: expected shape (B, S) = {want}, got "
+                                 f"{getattr(key_padding_mask, 'shape', type(key_padding_mask).__name__)}")
+        if attn_mask is not None:
+            want = [(L, S), (B * H, L, S) if batched else (H, L, S)]
+            if not isinstance(attn_mask, np.ndarray) or attn_mask.shape not in want:
+                raise ValueError(f"attn_mask: expected shape (L, S) = {want[0]} or (B * num_heads, L, S) = "
+                                 f"{want[1]}, got {getattr(attn_mask, 'shape', type(attn_mask).__name__)}")
+        if is_causal and attn_mask is None:
+            raise ValueError("is_causal=True is a hint that attn_mask is the causal mask: attn_mask is required, "
+                             "as in PyTorch")
+        return batched, bf, B, L, S
+
+    # ----------------------------------------------------------------------------------------------- forward
+    def forward(self, query, key, value, key_padding_mask=None, need_weights=True, attn_mask=None,
+                average_attn_weights=True, is_causal=False, *, seed=None):
+        """Attend from ``query`` to ``key``/``value``.
+
+        Args:
+            query (ndarray): (L, B, E), (B, L, E) when ``batch_first``, or (L, E) unbatched; the layer's dtype.
+            key (ndarray): (S, B, kdim), (B, S, kdim) when ``batch_first``, or (S, kdim) unbatched.
+            value (ndarray): (S, B, vdim), (B, S, vdim) when ``batch_first``, or (S, vdim) unbatched.
+            key_padding_mask (ndarray, optional): (B, S) or (S,) unbatched. Boolean: True where a key is
+                *ignored* (padding). Float: added to the scores. Default: None.
+            need_weights (bool): also return the attention weights (builds them: (B, H, L, S) memory).
+                Default: True.
+            attn_mask (ndarray, optional): (L, S) or (B * num_heads, L, S) ((num_heads, L, S) unbatched).
+                Boolean: True where attention is *not allowed*. Float: added to the scores. Default: None.
+            average_attn_weights (bool): average the returned weights over heads. Default: True.
+            is_causal (bool): a hint that ``attn_mask`` is the causal mask (required with it, as in PyTorch);
+                without ``key_padding_mask`` and ``need_weights`` the causal kernel is used instead of the mask.
+                Default: False.
+            seed (int, optional): dropout seed for this call (training mode, dropout > 0); None draws one from
+                attnpp's global generator. The seed used is kept in ``last_seed``; the kept weights are
+                ``attnpp.functional.dropout_mask((B, H, L, S'), dropout, last_seed)`` with S' = S plus one per
+                ``add_bias_kv`` and ``add_zero_attn``.
+
+        Returns:
+            (attn_output, attn_weights): attn_output (L, B, E), (B, L, E) when ``batch_first``, or (L, E)
+            unbatched; attn_weights (B, L, S') averaged or (B, H, L, S') per head ((L, S') or (H, L, S')
+            unbatched), after dropout as in PyTorch, or None when ``need_weights=False``.
+
+        Raises:
+            TypeError: inputs or masks of another dtype than the layer's (masks may be bool).
+            ValueError: shapes that do not agree (named with their shapes), is_causal without attn_mask.
+        """
+        batched, bf, B, L, S = self._check_inputs(query, key, value, key_padding_mask, attn_mask, is_causal)
+        dt, H = self.dtype, self.num_heads
+        kpm = None if key_padding_mask is None else \
+            F.additive_mask(key_padding_mask, dt, "key_padding_mask", true_means_masked=True)
+        am = None if attn_mask is None else F.additive_mask(attn_mask, dt, "attn_mask", true_means_masked=True)
+        causal = 0
+        if is_causal and kpm is None and not need_weights:
+            am, causal = None, 1
+        q3, k3, v3 = (query, key, value) if batched else (query[None], key[None], value[None])
+        q = F.linear(q3, *self._proj_params(0)[::2])
+        k = F.linear(k3, *self._proj_params(1)[::2])
+        v = F.linear(v3, *self._proj_params(2)[::2])
+        # add_bias_kv, add_zero_attn: extra keys/values along the sequence axis, extra mask columns of 0
+        extra = []
+        if self.bias_k is not None:
+            extra.append((self.bias_k.data, self.bias_v.data))
+        if self.add_zero_attn:
+            zero = np.zeros((1, 1, self.embed_dim), dt)
+            extra.append((zero, zero))
+        seq_axis = 1 if bf else 0
+        if extra:
+            bshape = (B, 1, self.embed_dim) if bf else (1, B, self.embed_dim)
+            k = np.concatenate([k] + [np.broadcast_to(ek, bshape) for ek, _ in extra], axis=seq_axis)
+            v = np.concatenate([v] + [np.broadcast_to(ev, bshape) for _, ev in extra], axis=seq_axis)
+            pad = lambda m: np.pad(m, [(0, 0)] * (m.ndim - 1) + [(0, len(extra))])
+            am = None if am is None else pad(am)
+            kpm = None if kpm is None else pad(kpm)
+        S_all = S + len(extra)
+        full = (B, H, L, S_all)
+        masks = []
+        if am is not None:
+            masks.append(F.mask_arg(am if am.ndim == 2 else am.reshape(full), full))
+        if kpm is not None:
+            masks.append(F.mask_arg(kpm.reshape(B, 1, 1, S_all), full))
+        p = self.dropout if self.training else 0.0
+        seed = check_seed(seed) if p > 0 else 0
+        self.last_seed = seed if p > 0 else None
+        core_args = (masks, 1.0 / math.sqrt(self.head_dim), causal, p, seed)
+        out = np.empty_like(q)
+        lse = np.empty((B, H, L), dt)
+        q4, k4, v4, o4 = (self._heads(x, bf) for x in (q, k, v, out))
+        _core.sdpa_forward(o4, lse, q4, k4, v4, *core_args)
+        y = self.out_proj(out)
+        weights = None
+        if need_weights:
+            weights = np.empty(full, dt)
+            _core.sdpa_weights(weights, lse, q4, k4, *core_args)
+            if average_attn_weights:
+                weights = weights.mean(axis=1)
+        self._ctx = dict(inputs=(q3, k3, v3), proj=(q, k, v, out), lse=lse, core_args=core_args, bf=bf,
+                         batched=batched, S=S, seq_axis=seq_axis, out_shape=y.shape)
+        if not batched:
+            y = y[0]
+            weights = None if weights is None else weights[0]
+        return y, weights
+
+    # ---------------------------------------------------------------------------------------------- backward
+    def backward(self, grad_output):
+        """Gradients of the last ``forward``'s ``attn_output``; runs once per forward.
+
+        Args:
+            grad_output (ndarray): the shape of ``attn_output``, the layer's dtype.
+
+        Returns:
+            (grad_query, grad_key, grad_value), shaped like query, key and value. For self-attention
+            (query is key is value) the gradient of the shared input is their sum. Accumulates (+=) into the
+            parameters' ``grad``.
+
+        Raises:
+            ValueError: backward before forward (or twice), grad_output of another shape.
+            TypeError: grad_output of another dtype.
+        """
+        ctx = self._ctx
+        if ctx is None:
+            raise ValueError("backward: call forward first (backward runs once per forward)")
+        F.check_array(grad_output, "grad_output", dtype=self.dtype)
+        want = ctx["out_shape"] if ctx["batched"] else ctx["out_shape"][1:]
+        if grad_output.shape != want:
+            raise ValueError(f"grad_output: expected the output's shape {want}, got {grad_output.shape}")
+        self._ctx = None
+        q3, k3, v3 = ctx["inputs"]
+        q, k, v, out = ctx["proj"]
+        bf = ctx["bf"]
+        d_out = self.out_proj.backward(grad_output if ctx["batched"] else grad_output[None])
+        dq, dk, dv = np.zeros_like(q), np.zeros_like(k), np.zeros_like(v)
+        _core.sdpa_backward(*(self._heads(x, bf) for x in (dq, dk, dv, d_out, out)), ctx["lse"],
+                            *(self._heads(x, bf) for x in (q, k, v)), *ctx["core_args"])
+        S, axis = ctx["S"], ctx["seq_axis"]
+        if self.bias_k is not None:  # the appended bias_k / bias_v row, shared by the whole batch
+            self.bias_k.grad[...] += np.take(dk, [S], axis=axis).sum(axis=1 - axis).reshape(1, 1, -1)
+            self.bias_v.grad[...] += np.take(dv, [S], axis=axis).sum(axis=1 - axis).reshape(1, 1, -1)
+        dk, dv = (np.take(d, np.arange(S), axis=axis) for d in (dk, dv))
+        grads = []
+        for i, (x, d) in enumerate(((q3, dq), (k3, dk), (v3, dv))):
+            w, gw, _, gb = self._proj_params(i)
+            grads.append(F.linear_backward(d, x, w, gw, gb))
+        return tuple(grads) if ctx["batched"] else tuple(g[0] for g in grads)
+
+    def extra_repr(self):
+        return (f"embed_dim={self.embed_dim}, num_heads={self.num_heads}, dropout={self.dropout}, "
+                f"batch_first={self.batch_first}")
