@@ -134,6 +134,8 @@ class _Problem:
         self.masks = []
         if attn_mask is not None:
             m = additive_mask(attn_mask, dtype, "attn_mask", true_means_masked=False)
+            if m.ndim < 2:  # PyTorch refuses these too
+                raise ValueError(f"attn_mask: expected at least 2 dimensions (L, S), got shape {m.shape}")
             full_shape = tuple(batch) + (Hq, L, S)
             try:
                 if np.broadcast_shapes(m.shape, full_shape) != full_shape:
