@@ -235,3 +235,27 @@ def test_load_numpy_state_dict_and_train_eval():
     mha.eval()
     assert not mha.training and not mha.out_proj.training
     assert len(list(mha.parameters())) == 4
+
+
+def test_buffers_load_from_torch_state_dict():
+    """A layer with a registered buffer loads a PyTorch state dict holding the same buffer, unchanged."""
+    class TorchCausal(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w_q = torch.nn.Linear(3, 4)
+            self.register_buffer("causal_mask", torch.triu(torch.ones(5, 5), diagonal=1))
+
+    class Causal(attnpp.nn.Module):
+        def __init__(self):
+            super().__init__(np.float64)
+            self.w_q = attnpp.nn.Linear(3, 4, dtype=np.float64)
+            self.register_buffer("causal_mask", np.zeros((5, 5)))
+
+    ref, ours = TorchCausal().double(), Causal()
+    ours.load_state_dict(ref.state_dict())
+    assert list(ours.state_dict()) == list(ref.state_dict())
+    np.testing.assert_array_equal(ours.causal_mask, ref.causal_mask.numpy())
+    np.testing.assert_array_equal(ours.w_q.weight.data, ref.w_q.weight.detach().numpy())
+    assert [n for n, _ in ours.named_parameters()] == ["w_q.weight", "w_q.bias"]
+    with pytest.raises(ValueError, match="causal_mask"):
+        ours.load_state_dict({**ref.state_dict(), "causal_mask": torch.ones(4, 4)})

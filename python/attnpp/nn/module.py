@@ -39,6 +39,7 @@ class Module:
     def __init__(self, dtype=None):
         object.__setattr__(self, "_parameters", {})
         object.__setattr__(self, "_modules", {})
+        object.__setattr__(self, "_buffers", {})
         self.dtype = check_dtype(dtype)
         self.training = True
 
@@ -53,6 +54,31 @@ class Module:
         self._parameters[name] = param
         object.__setattr__(self, name, param)
         return param
+
+    def register_buffer(self, name, value):
+        """Keep ``value`` (copied to an ndarray) as state that is not trained, reachable as ``self.<name>``:
+        it is part of ``state_dict()`` and loaded by ``load_state_dict``, like a PyTorch buffer (e.g. the
+        articles' ``causal_mask``)."""
+        value = np.array(to_numpy(value, name))
+        self._buffers[name] = value
+        object.__setattr__(self, name, value)
+        return value
+
+    def named_buffers(self, prefix=""):
+        """Yield ``(name, array)`` for every buffer, own first, then sub-layers'."""
+        for name, b in self._buffers.items():
+            yield prefix + name, b
+        for mname, m in self._modules.items():
+            yield from m.named_buffers(prefix + mname + ".")
+
+    def _named_state(self, prefix=""):
+        """(name, array) of parameters and buffers in PyTorch's state-dict order."""
+        for name, p in self._parameters.items():
+            yield prefix + name, p.data
+        for name, b in self._buffers.items():
+            yield prefix + name, b
+        for mname, m in self._modules.items():
+            yield from m._named_state(prefix + mname + ".")
 
     def __call__(self, *args, **kwargs):
         return self.forward(*args, **kwargs)
@@ -86,8 +112,9 @@ class Module:
         return self.train(False)
 
     def state_dict(self):
-        """``{name: array}`` for every parameter; the arrays share memory with the parameters, like PyTorch's."""
-        return {name: p.data for name, p in self.named_parameters()}
+        """``{name: array}`` for every parameter and buffer, in PyTorch's order; the arrays share memory with
+        the layer, like PyTorch's."""
+        return dict(self._named_state())
 
     def load_state_dict(self, state_dict, strict=True):
         """Copy values from ``state_dict`` (NumPy arrays or torch tensors, e.g. a PyTorch layer's state dict).
@@ -95,30 +122,32 @@ class Module:
         Every key is checked before anything is copied, so a failed load leaves the layer unchanged.
 
         Args:
-            state_dict (Mapping[str, array]): names as in ``named_parameters()`` (PyTorch's keys).
+            state_dict (Mapping[str, array]): names as in ``state_dict()`` (PyTorch's keys: parameters and
+                buffers).
             strict (bool): refuse missing and unexpected keys. Default: True.
 
         Raises:
             ValueError: missing or unexpected keys (when strict), or a value of another shape.
             TypeError: a value that is not an array or tensor, or not of a floating dtype.
         """
-        own = dict(self.named_parameters())
+        own = dict(self._named_state())
         missing = [k for k in own if k not in state_dict]
         unexpected = [k for k in state_dict if k not in own]
         if strict and (missing or unexpected):
             raise ValueError(f"load_state_dict: missing keys {missing}, unexpected keys {unexpected}")
+        params = dict(self.named_parameters())
         values = {}
-        for name, p in own.items():
+        for name, arr in own.items():
             if name not in state_dict:
                 continue
             v = to_numpy(state_dict[name], name)
-            if v.dtype.kind != "f":
+            if name in params and v.dtype.kind != "f":
                 raise TypeError(f"state_dict[{name!r}]: expected a floating dtype, got {v.dtype}")
-            if v.shape != p.shape:
-                raise ValueError(f"state_dict[{name!r}]: expected shape {p.shape}, got {v.shape}")
+            if v.shape != arr.shape:
+                raise ValueError(f"state_dict[{name!r}]: expected shape {arr.shape}, got {v.shape}")
             values[name] = v
         for name, v in values.items():
-            own[name].data[...] = v
+            own[name][...] = v
 
     def __repr__(self):
         return f"{type(self).__name__}({self.extra_repr()})"
