@@ -135,14 +135,17 @@ void sdpa_backward(const View4<T>& dq, const View4<T>& dk, const View4<T>& dv, c
                    const View4<const T>& out, const T* logsumexp, const View4<const T>& q,
                    const View4<const T>& k, const View4<const T>& v, const AttnConfig<T>& cfg) {
   // delta (N, Hq, L) = rowsum(dout * out): the softmax backward's sum_j P_ij dP_ij, dropout included.
+  // Summed in a fixed order (not Eigen's alignment-dependent reduction) so that results are reproducible.
   std::vector<T> delta(cfg.N * cfg.Hq * cfg.L);
 #pragma omp parallel for collapse(2)
   for (int64_t n = 0; n < cfg.N; ++n)
-    for (int64_t h = 0; h < cfg.Hq; ++h) {
-      const auto do_h = rows_of(dout, n, h, 0, cfg.L, cfg.Dv), o_h = rows_of(out, n, h, 0, cfg.L, cfg.Dv);
-      Eigen::Map<Eigen::Matrix<T, Eigen::Dynamic, 1>>(delta.data() + (n * cfg.Hq + h) * cfg.L, cfg.L) =
-          do_h.cwiseProduct(o_h).rowwise().sum();
-    }
+    for (int64_t h = 0; h < cfg.Hq; ++h)
+      for (int64_t i = 0; i < cfg.L; ++i) {
+        const T *do_row = dout.at(n, h, i), *o_row = out.at(n, h, i);
+        T sum = 0;
+        for (int64_t c = 0; c < cfg.Dv; ++c) sum += do_row[c] * o_row[c];
+        delta[(n * cfg.Hq + h) * cfg.L + i] = sum;
+      }
   const int64_t k_blocks = num_blocks(cfg.S, kBlockS), q_blocks = num_blocks(cfg.L, kBlockL);
   // One thread owns a (n, key/value head) pair: it alone writes that pair's dk, dv and, since each query
   // head belongs to one key/value head, its query heads' dq.

@@ -23,7 +23,10 @@ void linear_backward(T* dx, T* dw, T* db, const T* dy, const T* x, const T* w, i
   // dw += dy^T x              <- y = x w^T
   Map<T>(dw, Fout, Fin).noalias() += dy_m.transpose() * CMap<T>(x, M, Fin);
   // db += sum over rows of dy <- y += b
-  if (db) Eigen::Map<Eigen::Matrix<T, 1, Eigen::Dynamic>>(db, Fout) += dy_m.colwise().sum();
+  // (a plain loop: Eigen's reductions over unaligned maps change order with the buffer's alignment)
+  if (db)
+    for (int64_t r = 0; r < M; ++r)
+      for (int64_t c = 0; c < Fout; ++c) db[c] += dy[r * Fout + c];
 }
 
 template void linear_forward<float>(float*, const float*, const float*, const float*, int64_t, int64_t, int64_t);

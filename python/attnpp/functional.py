@@ -4,6 +4,7 @@ Shape letters: B... any leading (batch) dimensions, H heads (Hq of the query, Hk
 length, S key/value length, D query/key head width, Dv value head width.
 """
 import math
+import numbers
 
 import numpy as np
 
@@ -38,6 +39,24 @@ def check_array(x, name, ndim=None, min_ndim=None, dtype=None):
     if min_ndim is not None and x.ndim < min_ndim:
         raise ValueError(f"{name}: expected at least {min_ndim} dimensions, got shape {x.shape}")
     return x
+
+
+def check_probability(p, name):
+    """``p`` as a float in [0, 1), else TypeError/ValueError naming ``name``."""
+    if not isinstance(p, numbers.Real) or isinstance(p, bool):
+        raise TypeError(f"{name}: expected a float in [0, 1), got {type(p).__name__}")
+    if not 0.0 <= p < 1.0:
+        raise ValueError(f"{name} must be in [0, 1), got {p!r}")
+    return float(p)
+
+
+def check_int(value, name, minimum=0):
+    """``value`` as an int >= ``minimum``, else TypeError/ValueError naming ``name``."""
+    if not isinstance(value, numbers.Integral) or isinstance(value, bool):
+        raise TypeError(f"{name}: expected an int, got {type(value).__name__}")
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+    return int(value)
 
 
 def additive_mask(mask, dtype, name, true_means_masked):
@@ -92,8 +111,9 @@ class _Problem:
         if value is not None and value.shape[-2] != key.shape[-2]:
             raise ValueError(f"key and value must have the same length S (dimension -2), got key {key.shape} "
                              f"and value {value.shape}")
-        if not isinstance(dropout_p, (int, float)) or not 0.0 <= dropout_p < 1.0:
-            raise ValueError(f"dropout_p must be a float in [0, 1), got {dropout_p!r}")
+        check_probability(dropout_p, "dropout_p")
+        if scale is not None and (not isinstance(scale, numbers.Real) or isinstance(scale, bool)):
+            raise TypeError(f"scale: expected a float or None, got {type(scale).__name__}")
         if causal_alignment not in _CAUSAL:
             raise ValueError(f"causal_alignment must be 'top_left' or 'bottom_right', got {causal_alignment!r}")
         if is_causal and attn_mask is not None:
@@ -322,9 +342,8 @@ def dropout_mask(shape, p, seed):
     Returns:
         ndarray of bool, of ``shape``.
     """
-    if not 0.0 <= p < 1.0:
-        raise ValueError(f"p must be in [0, 1), got {p!r}")
-    return _core.dropout_mask([int(s) for s in shape], float(p), check_seed(seed))
+    p = check_probability(p, "p")
+    return _core.dropout_mask([check_int(s, "shape") for s in shape], p, check_seed(seed))
 
 
 def linear(input, weight, bias=None):

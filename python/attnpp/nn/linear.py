@@ -30,9 +30,8 @@ class Linear(Module):
 
     def __init__(self, in_features, out_features, bias=True, dtype=None):
         super().__init__(dtype)
-        if in_features < 0 or out_features < 0:
-            raise ValueError(f"in_features and out_features must be >= 0, got {in_features}, {out_features}")
-        self.in_features, self.out_features = int(in_features), int(out_features)
+        self.in_features = F.check_int(in_features, "in_features")
+        self.out_features = F.check_int(out_features, "out_features")
         self.register_parameter("weight", (out_features, in_features))
         self.bias = self.register_parameter("bias", (out_features,)) if bias else None
         bound = 1.0 / math.sqrt(in_features) if in_features > 0 else 0.0

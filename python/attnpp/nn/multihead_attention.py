@@ -44,18 +44,15 @@ class MultiheadAttention(Module):
     def __init__(self, embed_dim, num_heads, dropout=0.0, bias=True, add_bias_kv=False, add_zero_attn=False,
                  kdim=None, vdim=None, batch_first=False, dtype=None):
         super().__init__(dtype)
-        if embed_dim <= 0 or num_heads <= 0:
-            raise ValueError(f"embed_dim and num_heads must be > 0, got embed_dim={embed_dim}, "
-                             f"num_heads={num_heads}")
+        E = self.embed_dim = F.check_int(embed_dim, "embed_dim", 1)
+        self.num_heads = F.check_int(num_heads, "num_heads", 1)
         if embed_dim % num_heads:
             raise ValueError(f"embed_dim must be divisible by num_heads, got embed_dim={embed_dim}, "
                              f"num_heads={num_heads}")
-        if not 0.0 <= dropout < 1.0:
-            raise ValueError(f"dropout must be in [0, 1), got {dropout}")
-        E = self.embed_dim = int(embed_dim)
-        self.num_heads, self.head_dim = int(num_heads), E // num_heads
-        self.kdim = E if kdim is None else int(kdim)
-        self.vdim = E if vdim is None else int(vdim)
+        self.head_dim = E // self.num_heads
+        self.kdim = E if kdim is None else F.check_int(kdim, "kdim", 1)
+        self.vdim = E if vdim is None else F.check_int(vdim, "vdim", 1)
+        dropout = F.check_probability(dropout, "dropout")
         self.dropout, self.batch_first = float(dropout), bool(batch_first)
         self.add_zero_attn = bool(add_zero_attn)
         self._qkv_same_embed_dim = self.kdim == E and self.vdim == E
@@ -132,14 +129,17 @@ class MultiheadAttention(Module):
                              f"{key.shape} (batch_first={self.batch_first})")
         if key_padding_mask is not None:
             want = (B, S) if batched else (S,)
-            if not isinstance(key_padding_mask, np.ndarray) or key_padding_mask.shape != want:
-                raise ValueError(f"key_padding_mask: expected shape (B, S) = {want}, got "
-                                 f"{getattr(key_padding_mask, 'shape', type(key_padding_mask).__name__)}")
+            if not isinstance(key_padding_mask, np.ndarray):
+                raise TypeError(f"key_padding_mask: expected a numpy.ndarray, got {type(key_padding_mask).__name__}")
+            if key_padding_mask.shape != want:
+                raise ValueError(f"key_padding_mask: expected shape (B, S) = {want}, got {key_padding_mask.shape}")
         if attn_mask is not None:
             want = [(L, S), (B * H, L, S) if batched else (H, L, S)]
-            if not isinstance(attn_mask, np.ndarray) or attn_mask.shape not in want:
+            if not isinstance(attn_mask, np.ndarray):
+                raise TypeError(f"attn_mask: expected a numpy.ndarray, got {type(attn_mask).__name__}")
+            if attn_mask.shape not in want:
                 raise ValueError(f"attn_mask: expected shape (L, S) = {want[0]} or (B * num_heads, L, S) = "
-                                 f"{want[1]}, got {getattr(attn_mask, 'shape', type(attn_mask).__name__)}")
+                                 f"{want[1]}, got {attn_mask.shape}")
         if is_causal and attn_mask is None:
             raise ValueError("is_causal=True is a hint that attn_mask is the causal mask: attn_mask is required, "
                              "as in PyTorch")
