@@ -217,11 +217,6 @@ void sdpa_weights(T* weights, const T* logsumexp, const View4<const T>& q, const
   }
 }
 
-void dropout_mask(bool* keep, int64_t count, double p, uint64_t seed) {
-#pragma omp parallel for
-  for (int64_t i = 0; i < count; ++i) keep[i] = dropout_keep(seed, uint64_t(i), p);
-}
-
 #define ATTNPP_INSTANTIATE(T)                                                                                  \
   template void sdpa_forward<T>(const View4<T>&, T*, const View4<const T>&, const View4<const T>&,            \
                                 const View4<const T>&, const AttnConfig<T>&);                                 \

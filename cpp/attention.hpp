@@ -24,7 +24,4 @@ template <typename T>
 void sdpa_weights(T* weights, const T* logsumexp, const View4<const T>& q, const View4<const T>& k,
                   const AttnConfig<T>& cfg);
 
-// The dropout keep-mask (N, H, L, S) that sdpa_* use for `seed` and `p`: true where a weight is kept.
-void dropout_mask(bool* keep, int64_t count, double p, uint64_t seed);
-
 }  // namespace attnpp

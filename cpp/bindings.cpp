@@ -10,6 +10,7 @@
 
 #include "attention.hpp"
 #include "linear.hpp"
+#include "training.hpp"
 
 namespace py = pybind11;
 using namespace attnpp;
@@ -187,29 +188,35 @@ void linear_backward_t(const py::object& dx, const py::array& dw, const py::obje
   linear_backward<T>(dxp, dwp, dbp, dyp, xp, wp, M, Fin, Fout);
 }
 
-// Calls f<float> or f<double> by the dtype of `a`.
-template <template <typename> class F, typename... Args>
-void dispatch(const py::array& a, const char* name, Args&&... args) {
+template <typename T>
+struct Tag {
+  using type = T;
+};
+
+// Calls f(Tag<float>{}) or f(Tag<double>{}) by the dtype of `a`.
+template <typename F>
+void dispatch(const py::array& a, const char* name, F&& f) {
   if (a.dtype().is(py::dtype::of<float>()))
-    F<float>::run(std::forward<Args>(args)...);
+    f(Tag<float>{});
   else if (a.dtype().is(py::dtype::of<double>()))
-    F<double>::run(std::forward<Args>(args)...);
+    f(Tag<double>{});
   else
     throw py::type_error(std::string(name) + ": expected dtype float32 or float64, got " +
                          std::string(py::str(a.dtype())));
 }
 
-#define ATTNPP_FUNCTOR(name)                                      \
-  template <typename T>                                           \
-  struct name##_f {                                               \
-    template <typename... A>                                      \
-    static void run(A&&... a) { name##_t<T>(std::forward<A>(a)...); } \
-  };
-ATTNPP_FUNCTOR(sdpa_forward)
-ATTNPP_FUNCTOR(sdpa_backward)
-ATTNPP_FUNCTOR(sdpa_weights)
-ATTNPP_FUNCTOR(linear_forward)
-ATTNPP_FUNCTOR(linear_backward)
+// Same number of elements, else ValueError.
+void expect_size(const py::array& a, const char* name, py::ssize_t n) {
+  if (a.size() != n)
+    throw py::value_error(std::string(name) + ": expected " + std::to_string(n) + " elements, got shape " +
+                          shape_str(a));
+}
+
+const int64_t* index_ptr(const py::array& a, const char* name) {
+  if (!a.dtype().is(py::dtype::of<int64_t>()) || !(a.flags() & py::array::c_style))
+    throw py::type_error(std::string(name) + ": expected a C-contiguous int64 array");
+  return static_cast<const int64_t*>(a.data());
+}
 
 // A parameter's value and gradient, owned by the core; Python sees both as NumPy arrays sharing this memory.
 class Parameter {
@@ -261,20 +268,34 @@ PYBIND11_MODULE(_core, m) {
   m.def("sdpa_forward", [](const py::array& out, const py::array& lse, const py::array& q, const py::array& k,
                            const py::array& v, const std::vector<MaskArg>& masks, double scale, int causal,
                            double dropout_p, uint64_t seed) {
-    dispatch<sdpa_forward_f>(q, "query", out, lse, q, k, v, masks, scale, causal, dropout_p, seed);
+    dispatch(q, "query", [&](auto t) {
+      sdpa_forward_t<typename decltype(t)::type>(out, lse, q, k, v, masks, scale, causal, dropout_p, seed);
+    });
   });
   m.def("sdpa_backward", [](const py::array& dq, const py::array& dk, const py::array& dv, const py::array& dout,
                             const py::array& out, const py::array& lse, const py::array& q, const py::array& k,
                             const py::array& v, const std::vector<MaskArg>& masks, double scale, int causal,
                             double dropout_p, uint64_t seed) {
-    dispatch<sdpa_backward_f>(q, "query", dq, dk, dv, dout, out, lse, q, k, v, masks, scale, causal, dropout_p,
-                              seed);
+    dispatch(q, "query", [&](auto t) {
+      sdpa_backward_t<typename decltype(t)::type>(dq, dk, dv, dout, out, lse, q, k, v, masks, scale, causal,
+                                                  dropout_p, seed);
+    });
   });
   m.def("sdpa_weights", [](const py::array& weights, const py::array& lse, const py::array& q, const py::array& k,
                            const std::vector<MaskArg>& masks, double scale, int causal, double dropout_p,
                            uint64_t seed) {
-    dispatch<sdpa_weights_f>(q, "query", weights, lse, q, k, masks, scale, causal, dropout_p, seed);
+    dispatch(q, "query", [&](auto t) {
+      sdpa_weights_t<typename decltype(t)::type>(weights, lse, q, k, masks, scale, causal, dropout_p, seed);
+    });
   });
+  m.def("linear_forward", [](const py::array& y, const py::array& x, const py::array& w, const py::object& b) {
+    dispatch(x, "input", [&](auto t) { linear_forward_t<typename decltype(t)::type>(y, x, w, b); });
+  });
+  m.def("linear_backward", [](const py::object& dx, const py::array& dw, const py::object& db, const py::array& dy,
+                              const py::array& x, const py::array& w) {
+    dispatch(x, "input", [&](auto t) { linear_backward_t<typename decltype(t)::type>(dx, dw, db, dy, x, w); });
+  });
+
   m.def("dropout_mask", [](std::vector<py::ssize_t> shape, double p, uint64_t seed) {
     py::array_t<bool> keep(shape);
     bool* ptr = keep.mutable_data();
@@ -283,12 +304,113 @@ PYBIND11_MODULE(_core, m) {
     dropout_mask(ptr, count, p, seed);
     return keep;
   });
-  m.def("linear_forward", [](const py::array& y, const py::array& x, const py::array& w, const py::object& b) {
-    dispatch<linear_forward_f>(x, "input", y, x, w, b);
+  m.def("dropout_forward", [](const py::array& out, const py::array& x, double p, uint64_t seed) {
+    dispatch(x, "input", [&](auto t) {
+      using T = typename decltype(t)::type;
+      expect_size(out, "out", x.size());
+      T* o = contiguous_ptr<T>(out, "out", true);
+      const T* xp = contiguous_ptr<T>(x, "input", false);
+      py::gil_scoped_release release;
+      dropout_forward<T>(o, xp, x.size(), p, seed);
+    });
   });
-  m.def("linear_backward", [](const py::object& dx, const py::array& dw, const py::object& db, const py::array& dy,
-                              const py::array& x, const py::array& w) {
-    dispatch<linear_backward_f>(x, "input", dx, dw, db, dy, x, w);
+  m.def("dropout_backward", [](const py::array& dx, const py::array& dout, double p, uint64_t seed) {
+    dispatch(dout, "grad_output", [&](auto t) {
+      using T = typename decltype(t)::type;
+      expect_size(dx, "grad_input", dout.size());
+      T* d = contiguous_ptr<T>(dx, "grad_input", true);
+      const T* g = contiguous_ptr<T>(dout, "grad_output", false);
+      py::gil_scoped_release release;
+      dropout_backward<T>(d, g, dout.size(), p, seed);
+    });
+  });
+  m.def("embedding_forward", [](const py::array& out, const py::array& index, const py::array& weight) {
+    dispatch(weight, "weight", [&](auto t) {
+      using T = typename decltype(t)::type;
+      const int64_t N = index.size(), E = weight.shape(1);
+      expect_shape(out, "out", {N, E});
+      T* o = contiguous_ptr<T>(out, "out", true);
+      const T* w = contiguous_ptr<T>(weight, "weight", false);
+      const int64_t* idx = index_ptr(index, "input");
+      py::gil_scoped_release release;
+      embedding_forward<T>(o, idx, w, N, E);
+    });
+  });
+  m.def("embedding_backward", [](const py::array& dweight, const py::array& dout, const py::array& index) {
+    dispatch(dweight, "grad_weight", [&](auto t) {
+      using T = typename decltype(t)::type;
+      const int64_t N = index.size(), E = dweight.shape(1);
+      expect_shape(dout, "grad_output", {N, E});
+      T* dw = contiguous_ptr<T>(dweight, "grad_weight", true);
+      const T* g = contiguous_ptr<T>(dout, "grad_output", false);
+      const int64_t* idx = index_ptr(index, "input");
+      py::gil_scoped_release release;
+      embedding_backward<T>(dw, g, idx, N, E);
+    });
+  });
+  m.def("cross_entropy_forward", [](const py::array& losses, const py::array& lse, const py::array& input,
+                                    const py::array& target, int64_t ignore_index) {
+    dispatch(input, "input", [&](auto t) {
+      using T = typename decltype(t)::type;
+      const int64_t N = input.shape(0), C = input.shape(1);
+      expect_shape(losses, "losses", {N});
+      expect_shape(lse, "logsumexp", {N});
+      expect_shape(target, "target", {N});
+      T *l = contiguous_ptr<T>(losses, "losses", true), *s = contiguous_ptr<T>(lse, "logsumexp", true);
+      const T* x = contiguous_ptr<T>(input, "input", false);
+      const int64_t* tg = index_ptr(target, "target");
+      py::gil_scoped_release release;
+      cross_entropy_forward<T>(l, s, x, tg, N, C, ignore_index);
+    });
+  });
+  m.def("cross_entropy_backward", [](const py::array& dinput, const py::array& row_weight, const py::array& lse,
+                                     const py::array& input, const py::array& target) {
+    dispatch(input, "input", [&](auto t) {
+      using T = typename decltype(t)::type;
+      const int64_t N = input.shape(0), C = input.shape(1);
+      expect_shape(dinput, "grad_input", {N, C});
+      expect_shape(row_weight, "row_weight", {N});
+      expect_shape(lse, "logsumexp", {N});
+      expect_shape(target, "target", {N});
+      T* d = contiguous_ptr<T>(dinput, "grad_input", true);
+      const T *w = contiguous_ptr<T>(row_weight, "row_weight", false), *s = contiguous_ptr<T>(lse, "logsumexp", false);
+      const T* x = contiguous_ptr<T>(input, "input", false);
+      const int64_t* tg = index_ptr(target, "target");
+      py::gil_scoped_release release;
+      cross_entropy_backward<T>(d, w, s, x, tg, N, C);
+    });
+  });
+  m.def("sgd_step", [](const py::array& param, const py::array& grad, const py::object& buf, double lr,
+                       double momentum, double dampening, double weight_decay, bool nesterov, bool first) {
+    dispatch(param, "param", [&](auto t) {
+      using T = typename decltype(t)::type;
+      expect_size(grad, "grad", param.size());
+      T* b = nullptr;
+      if (!buf.is_none()) {
+        const auto ba = buf.cast<py::array>();
+        expect_size(ba, "momentum_buffer", param.size());
+        b = contiguous_ptr<T>(ba, "momentum_buffer", true);
+      } else if (momentum != 0) {
+        throw py::value_error("momentum_buffer: required when momentum != 0");
+      }
+      T* p = contiguous_ptr<T>(param, "param", true);
+      const T* g = contiguous_ptr<T>(grad, "grad", false);
+      py::gil_scoped_release release;
+      sgd_step<T>(p, g, b, param.size(), lr, momentum, dampening, weight_decay, nesterov, first);
+    });
+  });
+  m.def("adamw_step", [](const py::array& param, const py::array& grad, const py::array& exp_avg,
+                         const py::array& exp_avg_sq, double lr, double beta1, double beta2, double eps,
+                         double weight_decay, int64_t step) {
+    dispatch(param, "param", [&](auto t) {
+      using T = typename decltype(t)::type;
+      for (const auto* a : {&grad, &exp_avg, &exp_avg_sq}) expect_size(*a, "optimizer state", param.size());
+      T *p = contiguous_ptr<T>(param, "param", true), *m1 = contiguous_ptr<T>(exp_avg, "exp_avg", true);
+      T* m2 = contiguous_ptr<T>(exp_avg_sq, "exp_avg_sq", true);
+      const T* g = contiguous_ptr<T>(grad, "grad", false);
+      py::gil_scoped_release release;
+      adamw_step<T>(p, g, m1, m2, param.size(), lr, beta1, beta2, eps, weight_decay, step);
+    });
   });
 
   py::class_<Parameter>(m, "Parameter", R"doc(

@@ -5,7 +5,7 @@ checked against PyTorch. See ``attnpp.functional`` (stateless functions) and ``a
 """
 from ._core import get_num_threads, set_num_threads
 from ._random import manual_seed
-from . import functional, nn
+from . import functional, nn, optim
 
-__all__ = ["functional", "nn", "manual_seed", "set_num_threads", "get_num_threads"]
+__all__ = ["functional", "nn", "optim", "manual_seed", "set_num_threads", "get_num_threads"]
 __version__ = "0.1.0"

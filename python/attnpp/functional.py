@@ -12,6 +12,8 @@ from . import _core
 from ._random import check_seed
 
 __all__ = [
+    "dropout", "dropout_backward", "embedding", "embedding_backward",
+    "cross_entropy", "cross_entropy_forward", "cross_entropy_backward",
     "scaled_dot_product_attention",
     "scaled_dot_product_attention_forward",
     "scaled_dot_product_attention_backward",
@@ -385,3 +387,162 @@ def linear_backward(grad_output, input, weight, grad_weight, grad_bias=None, nee
     dx = np.zeros_like(x2) if need_input_grad else None
     _core.linear_backward(dx, grad_weight, grad_bias, dy, x2, np.ascontiguousarray(weight))
     return None if dx is None else dx.reshape(input.shape)
+
+
+# --------------------------------------------------------------------------------------------- training pieces
+def dropout(input, p=0.5, training=True, *, seed=None):
+    """Zero each element with probability ``p`` and scale the rest by 1 / (1 - p), as
+    ``torch.nn.functional.dropout`` (Srivastava et al., 2014).
+
+    Args:
+        input (ndarray): any shape, float32 or float64.
+        p (float): drop probability in [0, 1). Default: 0.5.
+        training (bool): apply dropout; when False the input is returned as is. Default: True.
+        seed (int, optional): the mask is ``dropout_mask(input.shape, p, seed)``; None draws a seed from
+            attnpp's global generator (then use ``attnpp.nn.Dropout``, which keeps it for the backward).
+
+    Returns:
+        ndarray of the input's shape and dtype.
+
+    Raises:
+        TypeError: a non-float input or a non-number p. ValueError: p outside [0, 1).
+    """
+    check_array(input, "input")
+    p = check_probability(p, "p")
+    if not training or p == 0.0:
+        return input
+    out = np.empty(input.shape, input.dtype)
+    _core.dropout_forward(out, np.ascontiguousarray(input), p, check_seed(seed))
+    return out
+
+
+def dropout_backward(grad_output, p, seed):
+    """Gradient of ``dropout`` for the same ``p`` and ``seed``: grad_output * mask / (1 - p)."""
+    check_array(grad_output, "grad_output")
+    p = check_probability(p, "p")
+    grad = np.zeros(grad_output.shape, grad_output.dtype)
+    if p == 0.0:
+        return grad + grad_output
+    _core.dropout_backward(grad, np.ascontiguousarray(grad_output), p, check_seed(seed))
+    return grad
+
+
+def check_index(index, name, size, allowed=None):
+    """``index`` as a C-contiguous int64 array with values in [0, size) (or equal to ``allowed``)."""
+    if not isinstance(index, np.ndarray):
+        raise TypeError(f"{name}: expected a numpy.ndarray of integers, got {type(index).__name__}")
+    if index.dtype.kind not in "iu":
+        raise TypeError(f"{name}: expected an integer dtype, got {index.dtype}")
+    index = np.ascontiguousarray(index, dtype=np.int64)
+    bad = (index < 0) | (index >= size)
+    if allowed is not None:
+        bad &= index != allowed
+    if bad.any():
+        raise IndexError(f"{name}: value {int(index[bad][0])} out of range [0, {size})")
+    return index
+
+
+def embedding(input, weight):
+    """``weight[input]``, as ``torch.nn.functional.embedding``.
+
+    Args:
+        input (ndarray): integer indices of any shape (*), each in [0, V).
+        weight (ndarray): (V, E), float32 or float64.
+
+    Returns:
+        ndarray (*, E).
+
+    Raises:
+        TypeError: non-integer indices or a non-float weight. IndexError: an index outside [0, V).
+    """
+    check_array(weight, "weight", ndim=2)
+    index = check_index(input, "input", weight.shape[0])
+    out = np.empty(index.shape + (weight.shape[1],), weight.dtype)
+    _core.embedding_forward(out.reshape(-1, weight.shape[1]), index, np.ascontiguousarray(weight))
+    return out
+
+
+def embedding_backward(grad_output, input, grad_weight):
+    """Accumulate (+=) the gradient of ``embedding`` into ``grad_weight`` (V, E) (rows of repeated indices add).
+
+    Args:
+        grad_output (ndarray): (*, E). input (ndarray): the forward's indices (*). grad_weight (ndarray): (V, E),
+            C-contiguous, written in place.
+    """
+    index = check_index(input, "input", grad_weight.shape[0])
+    E = grad_weight.shape[1]
+    _core.embedding_backward(grad_weight, np.ascontiguousarray(grad_output).reshape(-1, E), index)
+
+
+_REDUCTIONS = ("mean", "sum", "none")
+
+
+def _cross_entropy_args(input, target, ignore_index, reduction):
+    check_array(input, "input", ndim=(1, 2))
+    if reduction not in _REDUCTIONS:
+        raise ValueError(f"reduction must be 'mean', 'sum' or 'none', got {reduction!r}")
+    logits = input if input.ndim == 2 else input[None]
+    N, C = logits.shape
+    target = check_index(target, "target", C, allowed=ignore_index)
+    if target.shape != ((N,) if input.ndim == 2 else ()):
+        raise ValueError(f"target: expected shape {(N,) if input.ndim == 2 else ()} for input {input.shape}, "
+                         f"got {target.shape}")
+    return np.ascontiguousarray(logits), target.reshape(N)
+
+
+def cross_entropy_forward(input, target, ignore_index=-100, reduction="mean"):
+    """``cross_entropy`` that also returns the per-row log-sum-exp its backward needs."""
+    logits, tgt = _cross_entropy_args(input, target, ignore_index, reduction)
+    losses = np.empty(tgt.shape, logits.dtype)
+    lse = np.empty(tgt.shape, logits.dtype)
+    _core.cross_entropy_forward(losses, lse, logits, tgt, int(ignore_index))
+    if reduction == "none":
+        loss = losses if input.ndim == 2 else losses.reshape(())
+    elif reduction == "sum":
+        loss = losses.sum(dtype=logits.dtype)
+    else:
+        with np.errstate(invalid="ignore", divide="ignore"):
+            loss = losses.sum(dtype=logits.dtype) / logits.dtype.type((tgt != ignore_index).sum())
+    return np.asarray(loss, dtype=logits.dtype), lse
+
+
+def cross_entropy(input, target, ignore_index=-100, reduction="mean"):
+    """Cross-entropy of logits against class indices, as ``torch.nn.functional.cross_entropy``.
+
+    ``loss_i = logsumexp(input[i]) - input[i, target[i]]``, then the mean over the rows whose target is not
+    ``ignore_index`` (NaN when there are none, like PyTorch), the sum, or no reduction. The logits are read in
+    place (C-contiguous input is not copied).
+
+    Args:
+        input (ndarray): (N, C) logits (or (C,) for one row), float32 or float64.
+        target (ndarray): (N,) (or ()) integer class indices in [0, C) or equal to ``ignore_index``.
+        ignore_index (int): target value that contributes neither loss nor gradient. Default: -100.
+        reduction (str): ``"mean"`` | ``"sum"`` | ``"none"``. Default: ``"mean"``.
+
+    Returns:
+        ndarray: a 0-d array (mean, sum) or (N,) losses (none), of the input's dtype.
+
+    Raises:
+        TypeError: non-float input, non-integer target. ValueError: shapes that do not agree, an unknown
+        reduction. IndexError: a target outside [0, C) other than ignore_index.
+    """
+    return cross_entropy_forward(input, target, ignore_index, reduction)[0]
+
+
+def cross_entropy_backward(grad_output, input, target, logsumexp, ignore_index=-100, reduction="mean"):
+    """Gradient of ``cross_entropy`` with respect to ``input``: ``(softmax(input) - onehot(target)) * w`` with
+    w = grad_output / (number of rows not ignored) for the mean, grad_output for the sum, grad_output[i] for
+    none; 0 on ignored rows. Writes one new array of the input's shape (no other copy of the logits)."""
+    logits, tgt = _cross_entropy_args(input, target, ignore_index, reduction)
+    kept = (tgt != ignore_index).astype(logits.dtype)
+    g = np.asarray(grad_output, dtype=logits.dtype)
+    if reduction == "none":
+        row_weight = g.reshape(tgt.shape) * kept
+    elif reduction == "sum":
+        row_weight = g * kept
+    else:
+        row_weight = g * kept / max(kept.sum(), 1)
+    grad = np.empty_like(logits)
+    _core.cross_entropy_backward(grad, np.ascontiguousarray(row_weight, dtype=logits.dtype), logsumexp, logits,
+                                 tgt)
+    return grad.reshape(input.shape)

@@ -2,6 +2,10 @@
 from .._core import Parameter
 from .module import Module
 from .linear import Linear
+from .embedding import Embedding
+from .dropout import Dropout
+from .loss import CrossEntropyLoss
 from .multihead_attention import MultiheadAttention
+from .attention import Attention
 
-__all__ = ["Parameter", "Module", "Linear", "MultiheadAttention"]
+__all__ = ["Parameter", "Module", "Linear", "Embedding", "Dropout", "CrossEntropyLoss", "MultiheadAttention", "Attention"]

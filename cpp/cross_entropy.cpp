@@ -1,0 +1,50 @@
+// Cross-entropy of logits against class indices, as torch.nn.functional.cross_entropy. The forward reads the
+// logits in place and keeps only the per-row log-sum-exp; the backward writes the one gradient array.
+#include <algorithm>
+#include <cmath>
+
+#include "training.hpp"
+
+namespace attnpp {
+
+template <typename T>
+void cross_entropy_forward(T* losses, T* logsumexp, const T* input, const int64_t* target, int64_t N, int64_t C,
+                           int64_t ignore_index) {
+#pragma omp parallel for schedule(static)
+  for (int64_t i = 0; i < N; ++i) {
+    const T* row = input + i * C;
+    const T m = *std::max_element(row, row + C);
+    T sum = 0;
+    for (int64_t c = 0; c < C; ++c) sum += std::exp(row[c] - m);
+    logsumexp[i] = m + std::log(sum);
+    // loss_i = logsumexp_i - input[i, target_i]
+    losses[i] = target[i] == ignore_index ? T(0) : logsumexp[i] - row[target[i]];
+  }
+}
+
+template <typename T>
+void cross_entropy_backward(T* dinput, const T* row_weight, const T* logsumexp, const T* input,
+                            const int64_t* target, int64_t N, int64_t C) {
+#pragma omp parallel for schedule(static)
+  for (int64_t i = 0; i < N; ++i) {
+    const T *row = input + i * C, w = row_weight[i];
+    T* drow = dinput + i * C;
+    // dinput[i] = w * (softmax(input[i]) - onehot(target_i))   <- loss_i = logsumexp_i - input[i, target_i]
+    if (w == T(0)) {
+      std::fill(drow, drow + C, T(0));
+      continue;
+    }
+    for (int64_t c = 0; c < C; ++c) drow[c] = w * std::exp(row[c] - logsumexp[i]);
+    drow[target[i]] -= w;
+  }
+}
+
+template void cross_entropy_forward<float>(float*, float*, const float*, const int64_t*, int64_t, int64_t, int64_t);
+template void cross_entropy_forward<double>(double*, double*, const double*, const int64_t*, int64_t, int64_t,
+                                            int64_t);
+template void cross_entropy_backward<float>(float*, const float*, const float*, const float*, const int64_t*,
+                                            int64_t, int64_t);
+template void cross_entropy_backward<double>(double*, const double*, const double*, const double*,
+                                             const int64_t*, int64_t, int64_t);
+
+}  // namespace attnpp

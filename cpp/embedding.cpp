@@ -1,0 +1,27 @@
+// Embedding lookup, as torch.nn.Embedding.
+#include <algorithm>
+
+#include "training.hpp"
+
+namespace attnpp {
+
+template <typename T>
+void embedding_forward(T* out, const int64_t* index, const T* weight, int64_t N, int64_t E) {
+#pragma omp parallel for schedule(static)
+  for (int64_t i = 0; i < N; ++i) std::copy(weight + index[i] * E, weight + (index[i] + 1) * E, out + i * E);
+}
+
+template <typename T>
+void embedding_backward(T* dweight, const T* dout, const int64_t* index, int64_t N, int64_t E) {
+  // dweight[index[i]] += dout[i]     <- out[i] = weight[index[i]]
+  // Sequential over i: repeated indices add into the same row, in a fixed order.
+  for (int64_t i = 0; i < N; ++i)
+    for (int64_t e = 0; e < E; ++e) dweight[index[i] * E + e] += dout[i * E + e];
+}
+
+template void embedding_forward<float>(float*, const int64_t*, const float*, int64_t, int64_t);
+template void embedding_forward<double>(double*, const int64_t*, const double*, int64_t, int64_t);
+template void embedding_backward<float>(float*, const float*, const int64_t*, int64_t, int64_t);
+template void embedding_backward<double>(double*, const double*, const int64_t*, int64_t, int64_t);
+
+}  // namespace attnpp

@@ -1,0 +1,46 @@
+// The training pieces the articles need: dropout, embedding, cross-entropy, SGD and AdamW.
+// Each forward sits above its backward in its own file (dropout.cpp, embedding.cpp, cross_entropy.cpp,
+// optim.cpp).
+#pragma once
+
+#include "common.hpp"
+
+namespace attnpp {
+
+// out (n) = x * keep / (1 - p), keep = dropout_keep(seed, i, p) for element i (C order).
+template <typename T>
+void dropout_forward(T* out, const T* x, int64_t n, double p, uint64_t seed);
+// dx (n) += dout * keep / (1 - p), the forward's mask for the same seed.
+template <typename T>
+void dropout_backward(T* dx, const T* dout, int64_t n, double p, uint64_t seed);
+// keep (n): true where element i is kept for `seed` and `p` (the mask of dropout_* and of the attention).
+void dropout_mask(bool* keep, int64_t n, double p, uint64_t seed);
+
+// out (N, E) = weight[index] for index (N) in [0, V); weight (V, E).
+template <typename T>
+void embedding_forward(T* out, const int64_t* index, const T* weight, int64_t N, int64_t E);
+// dweight (V, E) += scatter of dout (N, E) by index (N).
+template <typename T>
+void embedding_backward(T* dweight, const T* dout, const int64_t* index, int64_t N, int64_t E);
+
+// Per-row losses (N) = logsumexp(input[i]) - input[i, target[i]] (0 where target == ignore_index) and
+// logsumexp (N), input (N, C).
+template <typename T>
+void cross_entropy_forward(T* losses, T* logsumexp, const T* input, const int64_t* target, int64_t N, int64_t C,
+                           int64_t ignore_index);
+// dinput (N, C) = (softmax(input) - onehot(target)) * row_weight[i] (row_weight: dloss_i, 0 for ignored rows).
+template <typename T>
+void cross_entropy_backward(T* dinput, const T* row_weight, const T* logsumexp, const T* input,
+                            const int64_t* target, int64_t N, int64_t C);
+
+// SGD with momentum, dampening, weight decay and Nesterov, as torch.optim.SGD; `first` marks the first step
+// (the momentum buffer starts as the gradient).
+template <typename T>
+void sgd_step(T* param, const T* grad, T* momentum_buffer, int64_t n, double lr, double momentum,
+              double dampening, double weight_decay, bool nesterov, bool first);
+// AdamW as torch.optim.AdamW (decoupled weight decay, bias-corrected moments); step counts from 1.
+template <typename T>
+void adamw_step(T* param, const T* grad, T* exp_avg, T* exp_avg_sq, int64_t n, double lr, double beta1,
+                double beta2, double eps, double weight_decay, int64_t step);
+
+}  // namespace attnpp

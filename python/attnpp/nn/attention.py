@@ -1,0 +1,316 @@
+import numpy as np
+
+from .. import _core
+from .. import functional as F
+from .._random import check_seed
+from .dropout import Dropout
+from .linear import Linear
+from .module import Module, to_numpy
+
+_LAYOUTS = ("linear", "matmul")
+
+
+class Attention(Module):
+    r"""A general attention layer: self- or cross-attention, one or many heads, causal or not.
+
+    ``out = out_dropout(Concat_h(softmax(scale * Q_h K_h^T + mask) V_h) W_O^T + b_O)`` with ``Q = x W_Q^T + b_Q``,
+    ``K = c W_K^T + b_K``, ``V = c W_V^T + b_V`` and ``c = context`` (cross-attention) or ``x`` (self-attention),
+    attention dropout on the weights (Vaswani et al., "Attention Is All You Need", 2017). Every class of the
+    reference articles is one configuration of it (see the notebooks), and the weights of each article's
+    parameter layout load with ``load_projections`` (``nn.Linear`` (out, in) or ``x @ W`` (in, out)),
+    ``load_fused_qkv``, ``load_fused_kv`` or ``load_heads``.
+
+    Shape letters: B batch, L query length, S key/value (context) length, E ``embed_dim``, H ``num_heads``.
+
+    Args:
+        embed_dim (int): E, the width of ``x``.
+        num_heads (int): H; must divide ``qk_dim`` and ``v_dim``. Default: 1.
+        qk_dim (int, optional): width of the queries and keys (all heads). Default: E.
+        v_dim (int, optional): width of the values (all heads). Default: ``qk_dim``.
+        kv_dim (int, optional): width of ``context``, the key/value input. Default: E.
+        out_dim (int, optional): width of the output projection. Default: ``v_dim``.
+        bias (bool): biases on the query, key and value projections. Default: True.
+        out_proj (bool): apply an output projection ``v_dim -> out_dim``. Default: True.
+        out_bias (bool, optional): bias on the output projection. Default: ``bias``.
+        causal (bool): query i sees keys j <= i (top-left when L != S, as PyTorch's ``is_causal``). Default: False.
+        causal_alignment (str): ``"top_left"`` or ``"bottom_right"`` (query i sees keys j <= i + S - L).
+        attn_dropout (float): dropout on the attention weights in training mode. Default: 0.0.
+        out_dropout (float): dropout on the output in training mode. Default: 0.0.
+        scale (float, optional): factor on q k^T. Default: 1 / sqrt(qk_dim / H).
+        context_length (int, optional): longest L and S accepted (ValueError beyond). Default: no limit.
+        dtype: float32 (default) or float64.
+
+    Sub-layers (``attnpp.nn.Linear``, weight (out, in)): ``q_proj`` (E -> qk_dim), ``k_proj`` (kv_dim -> qk_dim),
+    ``v_proj`` (kv_dim -> v_dim), ``out_proj`` (v_dim -> out_dim, or None), and ``out_drop`` (``Dropout``).
+
+    Raises:
+        ValueError: H not dividing qk_dim or v_dim, a non-positive width, dropout outside [0, 1).
+        TypeError: a dtype other than float32 or float64, widths that are not ints.
+    """
+
+    def __init__(self, embed_dim, num_heads=1, *, qk_dim=None, v_dim=None, kv_dim=None, out_dim=None, bias=True,
+                 out_proj=True, out_bias=None, causal=False, causal_alignment="top_left", attn_dropout=0.0,
+                 out_dropout=0.0, scale=None, context_length=None, dtype=None):
+        super().__init__(dtype)
+        E = self.embed_dim = F.check_int(embed_dim, "embed_dim", 1)
+        self.num_heads = F.check_int(num_heads, "num_heads", 1)
+        self.qk_dim = E if qk_dim is None else F.check_int(qk_dim, "qk_dim", 1)
+        self.v_dim = self.qk_dim if v_dim is None else F.check_int(v_dim, "v_dim", 1)
+        self.kv_dim = E if kv_dim is None else F.check_int(kv_dim, "kv_dim", 1)
+        for name, width in (("qk_dim", self.qk_dim), ("v_dim", self.v_dim)):
+            if width % self.num_heads:
+                raise ValueError(f"{name} must be divisible by num_heads, got {name}={width}, "
+                                 f"num_heads={self.num_heads}")
+        if causal_alignment not in ("top_left", "bottom_right"):
+            raise ValueError(f"causal_alignment must be 'top_left' or 'bottom_right', got {causal_alignment!r}")
+        self.causal, self.causal_alignment = bool(causal), causal_alignment
+        self.attn_dropout = F.check_probability(attn_dropout, "attn_dropout")
+        if scale is not None and not isinstance(scale, (int, float, np.floating)):
+            raise TypeError(f"scale: expected a float or None, got {type(scale).__name__}")
+        self.scale = float((self.qk_dim // self.num_heads) ** -0.5 if scale is None else scale)
+        self.context_length = None if context_length is None else F.check_int(context_length, "context_length", 1)
+        self.q_proj = Linear(E, self.qk_dim, bias=bias, dtype=self.dtype)
+        self.k_proj = Linear(self.kv_dim, self.qk_dim, bias=bias, dtype=self.dtype)
+        self.v_proj = Linear(self.kv_dim, self.v_dim, bias=bias, dtype=self.dtype)
+        self.out_dim = self.v_dim
+        self.out_proj = None
+        if out_proj:
+            self.out_dim = self.v_dim if out_dim is None else F.check_int(out_dim, "out_dim", 1)
+            self.out_proj = Linear(self.v_dim, self.out_dim, bias=bias if out_bias is None else out_bias,
+                                   dtype=self.dtype)
+        elif out_dim is not None and out_dim != self.v_dim:
+            raise ValueError(f"out_dim={out_dim} needs out_proj=True (without it the output width is v_dim)")
+        self.out_drop = Dropout(out_dropout)
+        self.last_seed = None  # the attention-dropout seed of the last training forward
+        self._ctx = None
+
+    # ----------------------------------------------------------------------------------------------- forward
+    def _check(self, x, context, key_padding_mask):
+        F.check_array(x, "x", ndim=(2, 3), dtype=self.dtype)
+        if x.shape[-1] != self.embed_dim:
+            raise ValueError(f"x: expected last dimension embed_dim={self.embed_dim}, got shape {x.shape}")
+        if context is None:
+            if self.kv_dim != self.embed_dim:
+                raise ValueError(f"context is required: kv_dim={self.kv_dim} differs from embed_dim="
+                                 f"{self.embed_dim}")
+            context = x
+        F.check_array(context, "context", ndim=x.ndim, dtype=self.dtype)
+        if context.shape[-1] != self.kv_dim:
+            raise ValueError(f"context: expected last dimension kv_dim={self.kv_dim}, got shape {context.shape}")
+        if x.ndim == 3 and context.shape[0] != x.shape[0]:
+            raise ValueError(f"x and context must have the same batch size, got x {x.shape} and context "
+                             f"{context.shape}")
+        L, S = x.shape[-2], context.shape[-2]
+        if self.context_length is not None and max(L, S) > self.context_length:
+            raise ValueError(f"sequence longer than context_length={self.context_length}: x {x.shape}, "
+                             f"context {context.shape}")
+        if key_padding_mask is not None:
+            want = context.shape[:-1]
+            if not isinstance(key_padding_mask, np.ndarray):
+                raise TypeError(f"key_padding_mask: expected a numpy.ndarray, got {type(key_padding_mask).__name__}")
+            if key_padding_mask.shape != want:
+                raise ValueError(f"key_padding_mask: expected shape (B, S) = {want}, got {key_padding_mask.shape}")
+        return context
+
+    def _heads(self, t):
+        """(B, T, H * d) as a (B, H, T, d) view."""
+        B, T, W = t.shape
+        return t.reshape(B, T, self.num_heads, W // self.num_heads).transpose(0, 2, 1, 3)
+
+    def forward(self, x, context=None, key_padding_mask=None, need_weights=False, *, seed=None):
+        """Attend from ``x`` to ``context`` (or to ``x`` itself).
+
+        Args:
+            x (ndarray): (B, L, E) or (L, E) unbatched, the layer's dtype: the queries' input.
+            context (ndarray, optional): (B, S, kv_dim) or (S, kv_dim): the keys' and values' input
+                (cross-attention; S may differ from L). Default: None, self-attention on ``x``.
+            key_padding_mask (ndarray, optional): (B, S) or (S,). Boolean: True where a key is *masked out*
+                (padding). Float: added to the scores. Combined with the causal mask. Default: None.
+            need_weights (bool): also return the (B, H, L, S) attention weights (after dropout). Default: False.
+            seed (int, optional): dropout seed for this call; the attention dropout uses ``seed`` (kept in
+                ``last_seed``; mask ``attnpp.functional.dropout_mask((B, H, L, S), attn_dropout, last_seed)``)
+                and the output dropout ``seed + 1`` (kept in ``out_drop.last_seed``). None draws from attnpp's
+                global generator.
+
+        Returns:
+            out (ndarray): (B, L, out_dim) or (L, out_dim); with ``need_weights``, ``(out, weights)``. A query
+            whose keys are all masked attends to nothing: its attention output is 0.
+
+        Raises:
+            TypeError: inputs of another dtype than the layer's, a mask that is not an array.
+            ValueError: shapes that do not agree (named with their shapes), a sequence longer than
+            context_length.
+        """
+        self_attention = context is None
+        context = self._check(x, context, key_padding_mask)
+        batched = x.ndim == 3
+        x3, c3 = (x, context) if batched else (x[None], context[None])
+        B, L, S = x3.shape[0], x3.shape[1], c3.shape[1]
+        H = self.num_heads
+        masks = []
+        if key_padding_mask is not None:
+            kpm = F.additive_mask(key_padding_mask, self.dtype, "key_padding_mask", true_means_masked=True)
+            masks.append(F.mask_arg(kpm.reshape(B, 1, 1, S), (B, H, L, S)))
+        p = self.attn_dropout if self.training else 0.0
+        base_seed = check_seed(seed) if self.training else 0
+        self.last_seed = base_seed if p > 0 else None
+        causal = {"top_left": 1, "bottom_right": 2}[self.causal_alignment] if self.causal else 0
+        core_args = (masks, self.scale, causal, p, base_seed if p > 0 else 0)
+
+        q, k, v = self.q_proj(x3), self.k_proj(c3), self.v_proj(c3)
+        attn = np.empty((B, L, self.v_dim), self.dtype)
+        lse = np.empty((B, H, L), self.dtype)
+        _core.sdpa_forward(self._heads(attn), lse, self._heads(q), self._heads(k), self._heads(v), *core_args)
+        y = attn if self.out_proj is None else self.out_proj(attn)
+        y = self.out_drop(y, seed=(base_seed + 1) % 2**64 if seed is not None else None)
+        self._ctx = dict(qkv=(q, k, v), attn=attn, lse=lse, core_args=core_args, batched=batched,
+                         self_attention=self_attention, out_shape=y.shape)
+        out = y if batched else y[0]
+        if not need_weights:
+            return out
+        weights = np.empty((B, H, L, S), self.dtype)
+        _core.sdpa_weights(weights, lse, self._heads(q), self._heads(k), *core_args)
+        return out, (weights if batched else weights[0])
+
+    # ---------------------------------------------------------------------------------------------- backward
+    def backward(self, grad_output):
+        """Gradients of the last ``forward``; runs once per forward.
+
+        Args:
+            grad_output (ndarray): the output's shape and dtype.
+
+        Returns:
+            grad_x for self-attention (``context=None``), ``(grad_x, grad_context)`` when a context was given,
+            shaped like the inputs.
+            Accumulates (+=) into every parameter's ``grad``.
+
+        Raises:
+            ValueError: backward before forward (or twice), grad_output of another shape. TypeError: another
+            dtype.
+        """
+        ctx = self._ctx
+        if ctx is None:
+            raise ValueError("backward: call forward first (backward runs once per forward)")
+        F.check_array(grad_output, "grad_output", dtype=self.dtype)
+        want = ctx["out_shape"] if ctx["batched"] else ctx["out_shape"][1:]
+        if grad_output.shape != want:
+            raise ValueError(f"grad_output: expected the output's shape {want}, got {grad_output.shape}")
+        self._ctx = None
+        g = self.out_drop.backward(grad_output if ctx["batched"] else grad_output[None])
+        d_attn = g if self.out_proj is None else self.out_proj.backward(g)
+        q, k, v = ctx["qkv"]
+        dq, dk, dv = np.zeros_like(q), np.zeros_like(k), np.zeros_like(v)
+        _core.sdpa_backward(*(self._heads(t) for t in (dq, dk, dv, np.ascontiguousarray(d_attn), ctx["attn"])),
+                            ctx["lse"], *(self._heads(t) for t in (q, k, v)), *ctx["core_args"])
+        grad_x = self.q_proj.backward(dq)
+        grad_c = self.k_proj.backward(dk) + self.v_proj.backward(dv)
+        if not ctx["batched"]:
+            grad_x, grad_c = grad_x[0], grad_c[0]
+        return grad_x + grad_c if ctx["self_attention"] else (grad_x, grad_c)
+
+    # ---------------------------------------------------------------------------------------- weight loading
+    def _assign_all(self, pairs):
+        """Copy (parameter, value, name) triples after checking every shape, so a failed load changes nothing."""
+        checked = []
+        for param, value, name in pairs:
+            if value is None:
+                continue
+            if param is None:
+                raise ValueError(f"{name}: this layer has no such parameter (bias=False or out_proj=False)")
+            value = to_numpy(value, name)
+            if value.shape != param.shape:
+                raise ValueError(f"{name}: expected shape {param.shape}, got {value.shape}")
+            checked.append((param, value))
+        for param, value in checked:
+            param.data[...] = value
+
+    @staticmethod
+    def _as_linear(weight, layout, name):
+        if layout not in _LAYOUTS:
+            raise ValueError(f"layout must be 'linear' (weight (out, in)) or 'matmul' (x @ W, W (in, out)), "
+                             f"got {layout!r}")
+        if weight is None:
+            return None
+        weight = to_numpy(weight, name)
+        return weight.T if layout == "matmul" else weight
+
+    def load_projections(self, q=None, k=None, v=None, out=None, *, q_bias=None, k_bias=None, v_bias=None,
+                         out_bias=None, layout="linear"):
+        """Load the projections from separate weights; those left None are kept.
+
+        Args:
+            q, k, v, out (array or tensor, optional): with ``layout="linear"`` shaped like ``nn.Linear.weight``,
+                (out_features, in_features); with ``layout="matmul"`` the (in, out) matrices of ``x @ W`` (the
+                ``nn.Parameter`` layout of article 002).
+            q_bias, k_bias, v_bias, out_bias (optional): (out_features,).
+            layout (str): ``"linear"`` or ``"matmul"``. Default: ``"linear"``.
+
+        Raises:
+            ValueError: a shape that does not match (nothing is loaded then), a bias the layer does not have.
+        """
+        out_lin = self.out_proj
+        self._assign_all([
+            (self.q_proj.weight, self._as_linear(q, layout, "q"), "q"),
+            (self.k_proj.weight, self._as_linear(k, layout, "k"), "k"),
+            (self.v_proj.weight, self._as_linear(v, layout, "v"), "v"),
+            (None if out_lin is None else out_lin.weight, self._as_linear(out, layout, "out"), "out"),
+            (self.q_proj.bias, q_bias, "q_bias"), (self.k_proj.bias, k_bias, "k_bias"),
+            (self.v_proj.bias, v_bias, "v_bias"), (None if out_lin is None else out_lin.bias, out_bias, "out_bias"),
+        ])
+
+    def _split_rows(self, weight, bias, parts, name):
+        widths = [self.qk_dim if p in (self.q_proj, self.k_proj) else self.v_dim for p in parts]
+        weight = to_numpy(weight, name)
+        bounds = np.cumsum([0] + widths)
+        if weight.ndim != 2 or weight.shape[0] != bounds[-1]:
+            raise ValueError(f"{name}: expected {bounds[-1]} rows (the outputs {widths} stacked), got shape "
+                             f"{weight.shape}")
+        pairs = [(p.weight, weight[a:b], name) for p, a, b in zip(parts, bounds[:-1], bounds[1:])]
+        if bias is not None:
+            bias = to_numpy(bias, name + " bias")
+            if bias.shape != (bounds[-1],):
+                raise ValueError(f"{name} bias: expected shape ({bounds[-1]},), got {bias.shape}")
+            pairs += [(p.bias, bias[a:b], name + " bias") for p, a, b in zip(parts, bounds[:-1], bounds[1:])]
+        self._assign_all(pairs)
+
+    def load_fused_qkv(self, weight, bias=None):
+        """Load q, k and v from one fused ``nn.Linear`` whose output rows are [q | k | v] (article 003's ``Wqkv``,
+        PyTorch's ``in_proj_weight``).
+
+        Args:
+            weight: (2 * qk_dim + v_dim, E). bias (optional): (2 * qk_dim + v_dim,).
+
+        Raises:
+            ValueError: other shapes (nothing is loaded then).
+        """
+        self._split_rows(weight, bias, (self.q_proj, self.k_proj, self.v_proj), "Wqkv")
+
+    def load_fused_kv(self, weight, bias=None):
+        """Load k and v from one fused ``nn.Linear`` whose output rows are [k | v] (article 003's ``Wkv``).
+
+        Args:
+            weight: (qk_dim + v_dim, kv_dim). bias (optional): (qk_dim + v_dim,).
+        """
+        self._split_rows(weight, bias, (self.k_proj, self.v_proj), "Wkv")
+
+    def load_heads(self, q, k, v, layout="matmul"):
+        """Load q, k and v from a list of separate heads (article 002's ``MultiHeadAttentionWrapper``): head h's
+        weights become output columns [h * d, (h + 1) * d) of each projection.
+
+        Args:
+            q, k, v (sequences of H arrays or tensors): per-head weights, (in, d) with ``layout="matmul"``
+                (default) or (d, in) with ``layout="linear"``.
+
+        Raises:
+            ValueError: not H heads, or shapes that do not match (nothing is loaded then).
+        """
+        stacked = []
+        for name, heads in (("q", q), ("k", k), ("v", v)):
+            if len(heads) != self.num_heads:
+                raise ValueError(f"{name}: expected {self.num_heads} heads, got {len(heads)}")
+            stacked.append(np.concatenate([self._as_linear(w, layout, name) for w in heads], axis=0))
+        self.load_projections(*stacked, layout="linear")
+
+    def extra_repr(self):
+        return (f"embed_dim={self.embed_dim}, num_heads={self.num_heads}, qk_dim={self.qk_dim}, v_dim={self.v_dim}, "
+                f"kv_dim={self.kv_dim}, out_proj={self.out_proj is not None}, causal={self.causal}")

@@ -1,0 +1,46 @@
+from .. import functional as F
+from .._random import check_seed
+from .module import Module
+
+
+class Dropout(Module):
+    """Zero each element with probability ``p`` in training mode, scaling the rest by 1 / (1 - p), as
+    ``torch.nn.Dropout`` (Srivastava et al., 2014). Identity in eval mode.
+
+    Args:
+        p (float): drop probability in [0, 1). Default: 0.5.
+
+    ``forward(input, seed=None)``: input of any shape; ``seed`` picks the mask (None draws one from attnpp's
+    global generator). The seed used is kept in ``last_seed``: the mask was
+    ``attnpp.functional.dropout_mask(input.shape, p, last_seed)``. ``backward(grad_output)`` applies the same
+    mask.
+
+    Raises:
+        TypeError/ValueError: p not a float in [0, 1); ValueError: backward before forward.
+    """
+
+    def __init__(self, p=0.5):
+        super().__init__()
+        self.p = F.check_probability(p, "p")
+        self.last_seed = None
+        self._shape = None
+
+    def forward(self, input, *, seed=None):
+        F.check_array(input, "input")
+        self.last_seed = check_seed(seed) if self.training and self.p > 0 else None
+        self._shape = input.shape
+        return F.dropout(input, self.p, self.last_seed is not None, seed=self.last_seed)
+
+    def backward(self, grad_output):
+        if self._shape is None:
+            raise ValueError("backward: call forward first (backward runs once per forward)")
+        F.check_array(grad_output, "grad_output")
+        if grad_output.shape != self._shape:
+            raise ValueError(f"grad_output: expected shape {self._shape}, got {grad_output.shape}")
+        self._shape = None
+        if self.last_seed is None:
+            return grad_output
+        return F.dropout_backward(grad_output, self.p, self.last_seed)
+
+    def extra_repr(self):
+        return f"p={self.p}"

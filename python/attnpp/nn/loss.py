@@ -1,0 +1,38 @@
+import numpy as np
+
+from .. import functional as F
+from .module import Module
+
+
+class CrossEntropyLoss(Module):
+    """Cross-entropy of logits against class indices, as ``torch.nn.CrossEntropyLoss``.
+
+    Args:
+        ignore_index (int): target value that contributes neither loss nor gradient. Default: -100.
+        reduction (str): ``"mean"`` (over rows not ignored) | ``"sum"`` | ``"none"``. Default: ``"mean"``.
+
+    ``forward(input (N, C) or (C,), target (N,) or ())`` returns the loss (a 0-d array, or (N,) for "none");
+    ``backward(grad_output=1.0)`` returns the gradient of the input (N, C). See
+    ``attnpp.functional.cross_entropy`` for the errors raised.
+    """
+
+    def __init__(self, ignore_index=-100, reduction="mean"):
+        super().__init__()
+        self.ignore_index, self.reduction = int(ignore_index), reduction
+        self._ctx = None
+
+    def forward(self, input, target):
+        loss, lse = F.cross_entropy_forward(input, target, self.ignore_index, self.reduction)
+        self._ctx = (input, target, lse)
+        return loss
+
+    def backward(self, grad_output=1.0):
+        if self._ctx is None:
+            raise ValueError("backward: call forward first (backward runs once per forward)")
+        input, target, lse = self._ctx
+        self._ctx = None
+        return F.cross_entropy_backward(np.asarray(grad_output, input.dtype), input, target, lse,
+                                        self.ignore_index, self.reduction)
+
+    def extra_repr(self):
+        return f"ignore_index={self.ignore_index}, reduction={self.reduction!r}"
