@@ -433,7 +433,7 @@ def check_index(index, name, size, allowed=None):
         raise TypeError(f"{name}: expected a numpy.ndarray of integers, got {type(index).__name__}")
     if index.dtype.kind not in "iu":
         raise TypeError(f"{name}: expected an integer dtype, got {index.dtype}")
-    index = np.ascontiguousarray(index, dtype=np.int64)
+    index = np.asarray(index, dtype=np.int64, order="C")  # (ascontiguousarray would make 0-d arrays 1-d)
     bad = (index < 0) | (index >= size)
     if allowed is not None:
         bad &= index != allowed
