@@ -82,7 +82,6 @@ class Attention(Module):
             raise ValueError(f"out_dim={out_dim} needs out_proj=True (without it the output width is v_dim)")
         self.out_drop = Dropout(out_dropout)
         self.last_seed = None  # the attention-dropout seed of the last training forward
-        self._ctx = None
 
     # ----------------------------------------------------------------------------------------------- forward
     def _check(self, x, context, key_padding_mask):
@@ -164,7 +163,7 @@ class Attention(Module):
         y = attn if self.out_proj is None else self.out_proj(attn)
         y = self.out_drop(y, seed=(base_seed + 1) % 2**64 if seed is not None else None)
         self._ctx = dict(qkv=(q, k, v), attn=attn, lse=lse, core_args=core_args, batched=batched,
-                         self_attention=self_attention, out_shape=y.shape)
+                         self_attention=self_attention, out_shape=y.shape if batched else y.shape[1:])
         out = y if batched else y[0]
         if not need_weights:
             return out
@@ -188,14 +187,7 @@ class Attention(Module):
             ValueError: backward before forward (or twice), grad_output of another shape. TypeError: another
             dtype.
         """
-        ctx = self._ctx
-        if ctx is None:
-            raise ValueError("backward: call forward first (backward runs once per forward)")
-        F.check_array(grad_output, "grad_output", dtype=self.dtype)
-        want = ctx["out_shape"] if ctx["batched"] else ctx["out_shape"][1:]
-        if grad_output.shape != want:
-            raise ValueError(f"grad_output: expected the output's shape {want}, got {grad_output.shape}")
-        self._ctx = None
+        ctx = self._consume_context(grad_output)
         g = self.out_drop.backward(grad_output if ctx["batched"] else grad_output[None])
         d_attn = g if self.out_proj is None else self.out_proj.backward(g)
         q, k, v = ctx["qkv"]

@@ -23,21 +23,15 @@ class Dropout(Module):
         super().__init__()
         self.p = F.check_probability(p, "p")
         self.last_seed = None
-        self._shape = None
 
     def forward(self, input, *, seed=None):
         F.check_array(input, "input")
         self.last_seed = check_seed(seed) if self.training and self.p > 0 else None
-        self._shape = input.shape
+        self._ctx = dict(out_shape=input.shape, dtype=input.dtype)
         return F.dropout(input, self.p, self.last_seed is not None, seed=self.last_seed)
 
     def backward(self, grad_output):
-        if self._shape is None:
-            raise ValueError("backward: call forward first (backward runs once per forward)")
-        F.check_array(grad_output, "grad_output")
-        if grad_output.shape != self._shape:
-            raise ValueError(f"grad_output: expected shape {self._shape}, got {grad_output.shape}")
-        self._shape = None
+        self._consume_context(grad_output)
         if self.last_seed is None:
             return grad_output
         return F.dropout_backward(grad_output, self.p, self.last_seed)

@@ -29,22 +29,14 @@ class Embedding(Module):
         self.embedding_dim = F.check_int(embedding_dim, "embedding_dim")
         self.register_parameter("weight", (self.num_embeddings, self.embedding_dim))
         self.weight.data[...] = generator().standard_normal(self.weight.shape)
-        self._input = None
 
     def forward(self, input):
         out = F.embedding(input, self.weight.data)
-        self._input = input
+        self._ctx = dict(input=input, out_shape=out.shape)
         return out
 
     def backward(self, grad_output):
-        if self._input is None:
-            raise ValueError("backward: call forward first (backward runs once per forward)")
-        F.check_array(grad_output, "grad_output", dtype=self.dtype)
-        want = self._input.shape + (self.embedding_dim,)
-        if grad_output.shape != want:
-            raise ValueError(f"grad_output: expected shape {want}, got {grad_output.shape}")
-        F.embedding_backward(grad_output, self._input, self.weight.grad)
-        self._input = None
+        F.embedding_backward(grad_output, self._consume_context(grad_output)["input"], self.weight.grad)
 
     def extra_repr(self):
         return f"{self.num_embeddings}, {self.embedding_dim}"

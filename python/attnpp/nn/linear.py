@@ -37,25 +37,17 @@ class Linear(Module):
         bound = 1.0 / math.sqrt(in_features) if in_features > 0 else 0.0
         for p in self.parameters():
             p.data[...] = generator().uniform(-bound, bound, p.shape)
-        self._input = None
 
     def forward(self, input):
         """input (*, Fin) -> (*, Fout)."""
         F.check_array(input, "input", min_ndim=1, dtype=self.dtype)
         out = F.linear(input, self.weight.data, None if self.bias is None else self.bias.data)
-        self._input = input
+        self._ctx = dict(input=input, out_shape=out.shape)
         return out
 
     def backward(self, grad_output):
         """grad_output (*, Fout) -> grad_input (*, Fin); accumulates into weight.grad and bias.grad."""
-        if self._input is None:
-            raise ValueError("backward: call forward first (backward runs once per forward)")
-        x = self._input
-        F.check_array(grad_output, "grad_output", dtype=self.dtype)
-        if grad_output.shape != x.shape[:-1] + (self.out_features,):
-            raise ValueError(f"grad_output: expected shape {x.shape[:-1] + (self.out_features,)}, "
-                             f"got {grad_output.shape}")
-        self._input = None
+        x = self._consume_context(grad_output)["input"]
         return F.linear_backward(grad_output, x, self.weight.data, self.weight.grad,
                                  None if self.bias is None else self.bias.grad)
 

@@ -2,6 +2,7 @@
 import numpy as np
 
 from .._core import Parameter
+from ..functional import check_array
 
 _DTYPES = {np.dtype(np.float32): np.float32, np.dtype(np.float64): np.float64}
 
@@ -40,6 +41,7 @@ class Module:
         object.__setattr__(self, "_parameters", {})
         object.__setattr__(self, "_modules", {})
         object.__setattr__(self, "_buffers", {})
+        self._ctx = None  # what the last forward saved for the backward
         self.dtype = check_dtype(dtype)
         self.training = True
 
@@ -79,6 +81,20 @@ class Module:
             yield prefix + name, b
         for mname, m in self._modules.items():
             yield from m._named_state(prefix + mname + ".")
+
+    def _consume_context(self, grad_output):
+        """The context the last forward saved (a dict with the user-visible ``out_shape`` and, when it is not the
+        layer's, the output ``dtype``), after checking
+        ``grad_output`` against it; a refused call leaves it in place for a correct retry."""
+        ctx = self._ctx
+        if ctx is None:
+            raise ValueError("backward: call forward first (backward runs once per forward)")
+        check_array(grad_output, "grad_output", dtype=ctx.get("dtype", self.dtype))
+        if grad_output.shape != ctx["out_shape"]:
+            raise ValueError(f"grad_output: expected the output's shape {ctx['out_shape']}, got "
+                             f"{grad_output.shape}")
+        self._ctx = None
+        return ctx
 
     def __call__(self, *args, **kwargs):
         return self.forward(*args, **kwargs)

@@ -79,7 +79,6 @@ class MultiheadAttention(Module):
         else:
             self.bias_k = self.bias_v = None
         self.last_seed = None  # the dropout seed of the last training forward
-        self._ctx = None
 
     # ----------------------------------------------------------------------------------------------- helpers
     def _proj_params(self, i):
@@ -228,7 +227,7 @@ class MultiheadAttention(Module):
             if average_attn_weights:
                 weights = weights.mean(axis=1)
         self._ctx = dict(inputs=(q3, k3, v3), proj=(q, k, v, out), lse=lse, core_args=core_args, bf=bf,
-                         batched=batched, S=S, seq_axis=seq_axis, out_shape=y.shape)
+                         batched=batched, S=S, seq_axis=seq_axis, out_shape=y.shape if batched else y.shape[1:])
         if not batched:
             y = y[0]
             weights = None if weights is None else weights[0]
@@ -250,14 +249,7 @@ class MultiheadAttention(Module):
             ValueError: backward before forward (or twice), grad_output of another shape.
             TypeError: grad_output of another dtype.
         """
-        ctx = self._ctx
-        if ctx is None:
-            raise ValueError("backward: call forward first (backward runs once per forward)")
-        F.check_array(grad_output, "grad_output", dtype=self.dtype)
-        want = ctx["out_shape"] if ctx["batched"] else ctx["out_shape"][1:]
-        if grad_output.shape != want:
-            raise ValueError(f"grad_output: expected the output's shape {want}, got {grad_output.shape}")
-        self._ctx = None
+        ctx = self._consume_context(grad_output)
         q3, k3, v3 = ctx["inputs"]
         q, k, v, out = ctx["proj"]
         bf = ctx["bf"]
