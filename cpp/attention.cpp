@@ -48,6 +48,13 @@ void apply_dropout(RowMat<T>& p_blk, const AttnConfig<T>& cfg, int64_t n, int64_
   }
 }
 
+// exp(row - shift), exactly 0 where row is -inf: Eigen's vectorized exp clamps its argument, so exp(-inf)
+// would give a denormal (about 5e-309 in double) instead of 0.
+template <typename Row, typename T>
+auto masked_exp(const Row& row, T shift) {
+  return (row.array() == neg_inf<T>()).select(T(0), (row.array() - shift).exp());
+}
+
 // p_blk = exp(scores - logsumexp) row by row; rows with logsumexp = -inf (fully masked) are 0.
 template <typename T>
 void probs_from_lse(RowMat<T>& p_blk, const T* lse) {
@@ -55,7 +62,7 @@ void probs_from_lse(RowMat<T>& p_blk, const T* lse) {
     if (lse[r] == neg_inf<T>())
       p_blk.row(r).setZero();
     else
-      p_blk.row(r) = (p_blk.row(r).array() - lse[r]).exp();
+      p_blk.row(r) = masked_exp(p_blk.row(r), lse[r]);
   }
 }
 
@@ -107,7 +114,7 @@ void sdpa_forward(const View4<T>& out, T* logsumexp, const View4<const T>& q, co
                 continue;
               }
               const T alpha = std::exp(m(r) - m_new);  // rescales what was summed under the old max
-              s_blk.row(r) = (s_blk.row(r).array() - m_new).exp();
+              s_blk.row(r) = masked_exp(s_blk.row(r), m_new);
               l(r) = l(r) * alpha + s_blk.row(r).sum();
               acc.row(r) *= alpha;
               m(r) = m_new;

@@ -189,3 +189,19 @@ def test_inputs_not_contiguous(rng):
     out = AF.scaled_dot_product_attention(q, k, v)
     ref = AF.scaled_dot_product_attention(*(np.ascontiguousarray(x) for x in (q, k, v)))
     np.testing.assert_array_equal(out, ref)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_masked_keys_get_exactly_zero_weight(rng, dtype):
+    """exp(-inf) is 0, not the denormal a clamped vectorized exp gives (regression: 5.6e-309 in float64)."""
+    q, k = rng.standard_normal((1, 1, 16, 4)).astype(dtype), rng.standard_normal((1, 1, 16, 4)).astype(dtype)
+    w = AF.scaled_dot_product_attention_weights(q, k, is_causal=True)
+    assert (np.triu(w[0, 0], 1) == 0).all()
+    v = rng.standard_normal((1, 1, 16, 8)).astype(dtype)
+    v[..., -1, :] = 1e300 if dtype == np.float64 else 1e30  # seen by the last query only
+    out, lse = AF.scaled_dot_product_attention_forward(q, k, v, is_causal=True)
+    ref = torch_sdpa(q, k, v, np.ones_like(out), is_causal=True)[0]
+    assert_close(out[..., :-1, :], ref[..., :-1, :], dtype, "rows that do not see the huge value")
+    grads = AF.scaled_dot_product_attention_backward(np.ones_like(out), q, k, v, out, lse,
+                                                     attn_mask=(np.arange(16) < 3)[None])
+    assert (grads[2][0, 0, 3:] == 0).all()  # keys no query sees get exactly no gradient

@@ -81,7 +81,7 @@ class Attention(Module):
         elif out_dim is not None and out_dim != self.v_dim:
             raise ValueError(f"out_dim={out_dim} needs out_proj=True (without it the output width is v_dim)")
         self.out_drop = Dropout(out_dropout)
-        self.last_seed = None  # the attention-dropout seed of the last training forward
+        self.last_seed = None  # the attention-dropout seed of the last forward (None when it had no dropout)
 
     # ----------------------------------------------------------------------------------------------- forward
     def _check(self, x, context, key_padding_mask):
@@ -151,7 +151,8 @@ class Attention(Module):
             kpm = F.additive_mask(key_padding_mask, self.dtype, "key_padding_mask", true_means_masked=True)
             masks.append(F.mask_arg(kpm.reshape(B, 1, 1, S), (B, H, L, S)))
         p = self.attn_dropout if self.training else 0.0
-        base_seed = check_seed(seed) if self.training else 0
+        dropping = self.training and (p > 0 or self.out_drop.p > 0)  # draw a seed only when one is used
+        base_seed = check_seed(seed) if dropping else 0
         self.last_seed = base_seed if p > 0 else None
         causal = {"top_left": 1, "bottom_right": 2}[self.causal_alignment] if self.causal else 0
         core_args = (masks, self.scale, causal, p, base_seed if p > 0 else 0)
@@ -161,7 +162,7 @@ class Attention(Module):
         lse = np.empty((B, H, L), self.dtype)
         _core.sdpa_forward(self._heads(attn), lse, self._heads(q), self._heads(k), self._heads(v), *core_args)
         y = attn if self.out_proj is None else self.out_proj(attn)
-        y = self.out_drop(y, seed=(base_seed + 1) % 2**64 if seed is not None else None)
+        y = self.out_drop(y, seed=(base_seed + 1) % 2**64 if dropping else None)
         self._ctx = dict(qkv=(q, k, v), attn=attn, lse=lse, core_args=core_args, batched=batched,
                          self_attention=self_attention, out_shape=y.shape if batched else y.shape[1:])
         out = y if batched else y[0]

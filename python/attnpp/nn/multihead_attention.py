@@ -78,7 +78,7 @@ class MultiheadAttention(Module):
                 p.data[...] = rng.normal(0.0, math.sqrt(2.0 / (2 * E)), p.shape)
         else:
             self.bias_k = self.bias_v = None
-        self.last_seed = None  # the dropout seed of the last training forward
+        self.last_seed = None  # the dropout seed of the last forward (None when it had no dropout)
 
     # ----------------------------------------------------------------------------------------------- helpers
     def _proj_params(self, i):
