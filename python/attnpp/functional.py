@@ -128,7 +128,7 @@ class _Problem:
         q_lead, k_lead = lead(query), lead(key)
         v_lead = lead(value) if value is not None else k_lead
         if enable_gqa:
-            if min(len(q_lead), len(k_lead), len(v_lead)) < 1 or query.ndim < 3 or key.ndim < 3:
+            if query.ndim < 3 or key.ndim < 3 or (value is not None and value.ndim < 3):
                 raise ValueError("enable_gqa=True needs a heads dimension (-3) in query, key and value")
             Hq, Hk = q_lead[-1], k_lead[-1]
             if v_lead[-1] != Hk or Hk == 0 or Hq % Hk:
@@ -143,7 +143,6 @@ class _Problem:
             Hk = Hq
         self.batch, self.Hq, self.Hk, self.L, self.S, self.D, self.Dv = batch, Hq, Hk, L, S, D, Dv
         self.N = int(np.prod(batch, dtype=np.int64))
-        self.query, self.key, self.value = query, key, value
         self.q4 = self._as4(query, Hq, L, D)
         self.k4 = self._as4(key, Hk, S, D)
         self.v4 = self._as4(value, Hk, S, Dv) if value is not None else np.zeros((self.N, Hk, S, 0), dtype)
