@@ -348,32 +348,32 @@ PYBIND11_MODULE(_core, m) {
       embedding_backward<T>(dw, g, idx, N, E);
     });
   });
-  m.def("cross_entropy_forward", [](const py::array& losses, const py::array& lse, const py::array& input,
+  m.def("cross_entropy_forward", [](const py::array& losses, const py::array& stats, const py::array& input,
                                     const py::array& target, int64_t ignore_index) {
     dispatch(input, "input", [&](auto t) {
       using T = typename decltype(t)::type;
       const int64_t N = input.shape(0), C = input.shape(1);
       expect_shape(losses, "losses", {N});
-      expect_shape(lse, "logsumexp", {N});
+      expect_shape(stats, "stats", {N, 2});
       expect_shape(target, "target", {N});
-      T *l = contiguous_ptr<T>(losses, "losses", true), *s = contiguous_ptr<T>(lse, "logsumexp", true);
+      T *l = contiguous_ptr<T>(losses, "losses", true), *s = contiguous_ptr<T>(stats, "stats", true);
       const T* x = contiguous_ptr<T>(input, "input", false);
       const int64_t* tg = index_ptr(target, "target");
       py::gil_scoped_release release;
       cross_entropy_forward<T>(l, s, x, tg, N, C, ignore_index);
     });
   });
-  m.def("cross_entropy_backward", [](const py::array& dinput, const py::array& row_weight, const py::array& lse,
+  m.def("cross_entropy_backward", [](const py::array& dinput, const py::array& row_weight, const py::array& stats,
                                      const py::array& input, const py::array& target) {
     dispatch(input, "input", [&](auto t) {
       using T = typename decltype(t)::type;
       const int64_t N = input.shape(0), C = input.shape(1);
       expect_shape(dinput, "grad_input", {N, C});
       expect_shape(row_weight, "row_weight", {N});
-      expect_shape(lse, "logsumexp", {N});
+      expect_shape(stats, "stats", {N, 2});
       expect_shape(target, "target", {N});
       T* d = contiguous_ptr<T>(dinput, "grad_input", true);
-      const T *w = contiguous_ptr<T>(row_weight, "row_weight", false), *s = contiguous_ptr<T>(lse, "logsumexp", false);
+      const T *w = contiguous_ptr<T>(row_weight, "row_weight", false), *s = contiguous_ptr<T>(stats, "stats", false);
       const T* x = contiguous_ptr<T>(input, "input", false);
       const int64_t* tg = index_ptr(target, "target");
       py::gil_scoped_release release;

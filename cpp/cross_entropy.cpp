@@ -8,34 +8,39 @@
 namespace attnpp {
 
 template <typename T>
-void cross_entropy_forward(T* losses, T* logsumexp, const T* input, const int64_t* target, int64_t N, int64_t C,
+void cross_entropy_forward(T* losses, T* stats, const T* input, const int64_t* target, int64_t N, int64_t C,
                            int64_t ignore_index) {
 #pragma omp parallel for schedule(static)
   for (int64_t i = 0; i < N; ++i) {
     const T* row = input + i * C;
     const T m = *std::max_element(row, row + C);
-    T sum = 0;
+    // Summed in double: in float32 a confident row (one logit far above 50,256 others) would add terms below
+    // half an ulp of the running sum and lose them all.
+    double sum = 0;
     for (int64_t c = 0; c < C; ++c) sum += std::exp(row[c] - m);
-    logsumexp[i] = m + std::log(sum);
-    // loss_i = logsumexp_i - input[i, target_i]
-    losses[i] = target[i] == ignore_index ? T(0) : logsumexp[i] - row[target[i]];
+    const double log_sum = std::log(sum);
+    stats[2 * i] = m, stats[2 * i + 1] = T(log_sum);
+    // loss_i = logsumexp_i - input[i, target_i] = (m - input[i, target_i]) + log_sum, in that order so that a
+    // small loss is not lost next to a large m
+    losses[i] = target[i] == ignore_index ? T(0) : T(double(m - row[target[i]]) + log_sum);
   }
 }
 
 template <typename T>
-void cross_entropy_backward(T* dinput, const T* row_weight, const T* logsumexp, const T* input,
-                            const int64_t* target, int64_t N, int64_t C) {
+void cross_entropy_backward(T* dinput, const T* row_weight, const T* stats, const T* input, const int64_t* target,
+                            int64_t N, int64_t C) {
 #pragma omp parallel for schedule(static)
   for (int64_t i = 0; i < N; ++i) {
-    const T *row = input + i * C, w = row_weight[i];
+    const T *row = input + i * C, w = row_weight[i], m = stats[2 * i], log_sum = stats[2 * i + 1];
     T* drow = dinput + i * C;
     // dinput[i] = w * (softmax(input[i]) - onehot(target_i))   <- loss_i = logsumexp_i - input[i, target_i]
     if (w == T(0)) {
       std::fill(drow, drow + C, T(0));
       continue;
     }
-    for (int64_t c = 0; c < C; ++c) drow[c] = w * std::exp(row[c] - logsumexp[i]);
-    drow[target[i]] -= w;
+    for (int64_t c = 0; c < C; ++c) drow[c] = w * std::exp((row[c] - m) - log_sum);
+    // at the target, p - 1 = expm1(log p): exact even when p is within an ulp of 1
+    drow[target[i]] = w * std::expm1((row[target[i]] - m) - log_sum);
   }
 }
 

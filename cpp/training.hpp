@@ -23,15 +23,15 @@ void embedding_forward(T* out, const int64_t* index, const T* weight, int64_t N,
 template <typename T>
 void embedding_backward(T* dweight, const T* dout, const int64_t* index, int64_t N, int64_t E);
 
-// Per-row losses (N) = logsumexp(input[i]) - input[i, target[i]] (0 where target == ignore_index) and
-// logsumexp (N), input (N, C).
+// Per-row losses (N) = logsumexp(input[i]) - input[i, target[i]] (0 where target == ignore_index) and the
+// row statistics stats (N, 2) = (max_c input[i, c], log sum_c exp(input[i, c] - max)); input (N, C).
 template <typename T>
-void cross_entropy_forward(T* losses, T* logsumexp, const T* input, const int64_t* target, int64_t N, int64_t C,
+void cross_entropy_forward(T* losses, T* stats, const T* input, const int64_t* target, int64_t N, int64_t C,
                            int64_t ignore_index);
 // dinput (N, C) = (softmax(input) - onehot(target)) * row_weight[i] (row_weight: dloss_i, 0 for ignored rows).
 template <typename T>
-void cross_entropy_backward(T* dinput, const T* row_weight, const T* logsumexp, const T* input,
-                            const int64_t* target, int64_t N, int64_t C);
+void cross_entropy_backward(T* dinput, const T* row_weight, const T* stats, const T* input, const int64_t* target,
+                            int64_t N, int64_t C);
 
 // SGD with momentum, dampening, weight decay and Nesterov, as torch.optim.SGD; `first` marks the first step
 // (the momentum buffer starts as the gradient).

@@ -130,3 +130,19 @@ def test_training_bad_input(rng):
         attnpp.optim.SGD([np.zeros(3)], lr=0.1)
     with pytest.raises(ValueError, match="lr"):
         attnpp.optim.AdamW(emb.parameters(), lr=-1.0)
+
+
+def test_cross_entropy_confident_float32_row_keeps_its_small_loss():
+    """One logit 20 above 50,256 others: the loss is log1p(50256 e^-20) ~ 1.04e-4. A float32 running sum would
+    drop every small term after the large one (PyTorch's own float32 answer is 6% off here); attnpp sums in
+    double and takes p - 1 at the target as expm1, so loss and gradient match the float64 values."""
+    x = np.zeros((1, 50257), np.float32)
+    x[0, 2159] = 20.0
+    y = np.array([2159])
+    loss, stats = AF.cross_entropy_forward(x, y)
+    exact = np.log1p(50256 * np.exp(-20.0))
+    assert abs(float(loss) - exact) / exact < 1e-6
+    grad = AF.cross_entropy_backward(np.float32(1.0), x, y, stats)
+    ref64 = torch.nn.functional.softmax(torch.tensor(x, dtype=torch.float64), -1).numpy()
+    ref64[0, 2159] -= 1
+    assert np.abs(grad - ref64).max() / np.abs(ref64).max() < 1e-6

@@ -22,16 +22,16 @@ class CrossEntropyLoss(Module):
         self._ctx = None
 
     def forward(self, input, target):
-        loss, lse = F.cross_entropy_forward(input, target, self.ignore_index, self.reduction)
-        self._ctx = (input, target, lse)
+        loss, stats = F.cross_entropy_forward(input, target, self.ignore_index, self.reduction)
+        self._ctx = (input, target, stats)
         return loss
 
     def backward(self, grad_output=1.0):
         if self._ctx is None:
             raise ValueError("backward: call forward first (backward runs once per forward)")
-        input, target, lse = self._ctx
+        input, target, stats = self._ctx
         self._ctx = None
-        return F.cross_entropy_backward(np.asarray(grad_output, input.dtype), input, target, lse,
+        return F.cross_entropy_backward(np.asarray(grad_output, input.dtype), input, target, stats,
                                         self.ignore_index, self.reduction)
 
     def extra_repr(self):
