@@ -13,12 +13,11 @@ void cross_entropy_forward(T* losses, T* stats, const T* input, const int64_t* t
 #pragma omp parallel for schedule(static)
   for (int64_t i = 0; i < N; ++i) {
     const T* row = input + i * C;
-    const T m = *std::max_element(row, row + C);
-    // Summed in double: in float32 a confident row (one logit far above 50,256 others) would add terms below
-    // half an ulp of the running sum and lose them all.
-    double sum = 0;
-    for (int64_t c = 0; c < C; ++c) sum += std::exp(row[c] - m);
-    const double log_sum = std::log(sum);
+    const Eigen::Map<const Eigen::Array<T, Eigen::Dynamic, 1>> x(row, C);
+    const T m = x.maxCoeff();
+    // Vectorized exp, summed in double: in float32 a confident row (one logit far above 50,256 others) would
+    // add terms below half an ulp of the running sum and lose them all.
+    const double log_sum = std::log((x - m).exp().template cast<double>().sum());
     stats[2 * i] = m, stats[2 * i + 1] = T(log_sum);
     // loss_i = logsumexp_i - input[i, target_i] = (m - input[i, target_i]) + log_sum, in that order so that a
     // small loss is not lost next to a large m
@@ -38,7 +37,8 @@ void cross_entropy_backward(T* dinput, const T* row_weight, const T* stats, cons
       std::fill(drow, drow + C, T(0));
       continue;
     }
-    for (int64_t c = 0; c < C; ++c) drow[c] = w * std::exp((row[c] - m) - log_sum);
+    Eigen::Map<Eigen::Array<T, Eigen::Dynamic, 1>>(drow, C) =
+        w * ((Eigen::Map<const Eigen::Array<T, Eigen::Dynamic, 1>>(row, C) - m) - log_sum).exp();
     // at the target, p - 1 = expm1(log p): exact even when p is within an ulp of 1
     drow[target[i]] = w * std::expm1((row[target[i]] - m) - log_sum);
   }
