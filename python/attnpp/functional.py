@@ -52,6 +52,20 @@ def check_probability(p, name):
     return float(p)
 
 
+def check_scale(scale):
+    """``scale`` as a float or None, else TypeError."""
+    if scale is not None and (not isinstance(scale, numbers.Real) or isinstance(scale, bool)):
+        raise TypeError(f"scale: expected a float or None, got {type(scale).__name__}")
+    return None if scale is None else float(scale)
+
+
+def causal_code(is_causal, causal_alignment):
+    """The core's causal flag: 0 none, 1 top-left, 2 bottom-right; ValueError for an unknown alignment."""
+    if causal_alignment not in _CAUSAL:
+        raise ValueError(f"causal_alignment must be 'top_left' or 'bottom_right', got {causal_alignment!r}")
+    return _CAUSAL[causal_alignment] if is_causal else 0
+
+
 def check_int(value, name, minimum=0):
     """``value`` as an int >= ``minimum``, else TypeError/ValueError naming ``name``."""
     if not isinstance(value, numbers.Integral) or isinstance(value, bool):
@@ -114,10 +128,8 @@ class _Problem:
             raise ValueError(f"key and value must have the same length S (dimension -2), got key {key.shape} "
                              f"and value {value.shape}")
         check_probability(dropout_p, "dropout_p")
-        if scale is not None and (not isinstance(scale, numbers.Real) or isinstance(scale, bool)):
-            raise TypeError(f"scale: expected a float or None, got {type(scale).__name__}")
-        if causal_alignment not in _CAUSAL:
-            raise ValueError(f"causal_alignment must be 'top_left' or 'bottom_right', got {causal_alignment!r}")
+        check_scale(scale)
+        self.causal = causal_code(is_causal, causal_alignment)
         if is_causal and attn_mask is not None:
             raise ValueError("attn_mask must be None when is_causal=True (as in PyTorch): pass one or the other")
         self.dtype = dtype
@@ -147,7 +159,6 @@ class _Problem:
         self.k4 = self._as4(key, Hk, S, D)
         self.v4 = self._as4(value, Hk, S, Dv) if value is not None else np.zeros((self.N, Hk, S, 0), dtype)
         self.scale = float(1.0 / math.sqrt(D) if scale is None else scale)
-        self.causal = _CAUSAL[causal_alignment] if is_causal else 0
         self.dropout_p = float(dropout_p)
         if need_seed and dropout_p > 0 and seed is None:
             raise ValueError("seed: the backward with dropout_p > 0 needs the seed given to the forward")

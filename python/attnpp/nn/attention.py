@@ -61,13 +61,11 @@ class Attention(Module):
             if width % self.num_heads:
                 raise ValueError(f"{name} must be divisible by num_heads, got {name}={width}, "
                                  f"num_heads={self.num_heads}")
-        if causal_alignment not in ("top_left", "bottom_right"):
-            raise ValueError(f"causal_alignment must be 'top_left' or 'bottom_right', got {causal_alignment!r}")
+        self._causal_code = F.causal_code(causal, causal_alignment)
         self.causal, self.causal_alignment = bool(causal), causal_alignment
         self.attn_dropout = F.check_probability(attn_dropout, "attn_dropout")
-        if scale is not None and not isinstance(scale, (int, float, np.floating)):
-            raise TypeError(f"scale: expected a float or None, got {type(scale).__name__}")
-        self.scale = float((self.qk_dim // self.num_heads) ** -0.5 if scale is None else scale)
+        scale = F.check_scale(scale)
+        self.scale = (self.qk_dim // self.num_heads) ** -0.5 if scale is None else scale
         self.context_length = None if context_length is None else F.check_int(context_length, "context_length", 1)
         self.q_proj = Linear(E, self.qk_dim, bias=bias, dtype=self.dtype)
         self.k_proj = Linear(self.kv_dim, self.qk_dim, bias=bias, dtype=self.dtype)
@@ -154,8 +152,7 @@ class Attention(Module):
         dropping = self.training and (p > 0 or self.out_drop.p > 0)  # draw a seed only when one is used
         base_seed = check_seed(seed) if dropping else 0
         self.last_seed = base_seed if p > 0 else None
-        causal = {"top_left": 1, "bottom_right": 2}[self.causal_alignment] if self.causal else 0
-        core_args = (masks, self.scale, causal, p, base_seed if p > 0 else 0)
+        core_args = (masks, self.scale, self._causal_code, p, base_seed if p > 0 else 0)
 
         q, k, v = self.q_proj(x3), self.k_proj(c3), self.v_proj(c3)
         attn = np.empty((B, L, self.v_dim), self.dtype)
