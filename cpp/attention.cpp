@@ -1,11 +1,14 @@
 // Scaled dot-product attention, FlashAttention-2 style (Dao, 2023, arXiv:2307.08691): memory grows with L, not
 // L * S. The forward walks key blocks with an online softmax and saves only out and logsumexp; the backward
-// recomputes each block of weights from logsumexp.
+// recomputes each block of weights from logsumexp. Every product is a `gemm` on blocks that stay in cache; K (and
+// in the backward V) are first transposed per head, so that the products with K^T and V^T read contiguous rows.
 #include "attention.hpp"
 
 #include <algorithm>
 
 #include <omp.h>
+
+#include "gemm.hpp"
 
 namespace attnpp {
 namespace {
@@ -15,15 +18,28 @@ constexpr int64_t kBlockS = 128;  // keys per block
 
 int64_t num_blocks(int64_t n, int64_t b) { return (n + b - 1) / b; }
 
-// scores (rows, cols) = scale * q_blk k_blk^T + masks, with -inf above the causal diagonal.
-// Returns false when every score of the block is -inf (the block contributes nothing).
+// (N, H, rows, cols) strided -> (N, H, cols, rows) contiguous: K^T and V^T per head.
 template <typename T>
-bool score_block(RowMat<T>& scores, const MapRowsC<T>& q_blk, const MapRowsC<T>& k_blk, const AttnConfig<T>& cfg,
-                 int64_t n, int64_t h, int64_t i0, int64_t j0) {
-  const int64_t rows = q_blk.rows(), cols = k_blk.rows();
+std::vector<T> transpose_heads(const View4<const T>& a, int64_t N, int64_t H, int64_t rows, int64_t cols) {
+  std::vector<T> t(N * H * rows * cols);
+  constexpr int64_t kTile = 32;
+#pragma omp parallel for collapse(2) schedule(static)
+  for (int64_t nh = 0; nh < N * H; ++nh)
+    for (int64_t r0 = 0; r0 < rows; r0 += kTile) {
+      T* dst = t.data() + nh * rows * cols;
+      for (int64_t c = 0; c < cols; ++c)
+        for (int64_t r = r0; r < std::min(rows, r0 + kTile); ++r) dst[c * rows + r] = a.at(nh / H, nh % H, r)[c];
+    }
+  return t;
+}
+
+// scores (rows, cols) = scale * q_blk k_blk^T + masks, with -inf above the causal diagonal; q_blk (rows, D) with
+// row stride ldq, kt = K^T (D, S) of this head, from column j0. Returns false when every score is -inf.
+template <typename T>
+bool score_block(RowMat<T>& scores, const T* q_blk, int64_t ldq, const T* kt, int64_t rows, int64_t cols,
+                 const AttnConfig<T>& cfg, int64_t n, int64_t h, int64_t i0, int64_t j0) {
   scores.resize(rows, cols);
-  scores.noalias() = q_blk * k_blk.transpose();
-  scores *= cfg.scale;
+  gemm(scores.data(), cols, q_blk, ldq, int64_t(1), kt + j0, cfg.S, rows, cols, cfg.D, cfg.scale, false);
   for (const auto& m : cfg.masks)
     for (int64_t r = 0; r < rows; ++r)
       for (int64_t c = 0; c < cols; ++c) scores(r, c) += m.at(n, h, i0 + r, j0 + c);
@@ -48,21 +64,26 @@ void apply_dropout(RowMat<T>& p_blk, const AttnConfig<T>& cfg, int64_t n, int64_
   }
 }
 
-// exp(row - shift), exactly 0 where row is -inf: Eigen's vectorized exp clamps its argument, so exp(-inf)
-// would give a denormal (about 5e-309 in double) instead of 0.
-template <typename Row, typename T>
-auto masked_exp(const Row& row, T shift) {
-  return (row.array() == neg_inf<T>()).select(T(0), (row.array() - shift).exp());
+// row = exp(row - shift), exactly 0 where row is -inf, with Eigen's vectorized exp into `tmp`; returns the
+// row's sum. Eigen clamps the argument of exp, so exp(-inf) alone would give a denormal (about 5e-309 in double)
+// instead of 0.
+template <typename T>
+T exp_shifted(T* row, int64_t n, T shift, Eigen::Array<T, Eigen::Dynamic, 1>& tmp) {
+  using Arr = Eigen::Array<T, Eigen::Dynamic, 1>;
+  tmp = (Eigen::Map<const Arr>(row, n) - shift).exp();
+  for (int64_t c = 0; c < n; ++c) tmp[c] = row[c] == neg_inf<T>() ? T(0) : tmp[c];
+  Eigen::Map<Arr>(row, n) = tmp;
+  return tmp.sum();  // tmp is aligned: the order of this vectorized sum is fixed
 }
 
 // p_blk = exp(scores - logsumexp) row by row; rows with logsumexp = -inf (fully masked) are 0.
 template <typename T>
-void probs_from_lse(RowMat<T>& p_blk, const T* lse) {
+void probs_from_lse(RowMat<T>& p_blk, const T* lse, Eigen::Array<T, Eigen::Dynamic, 1>& tmp) {
   for (int64_t r = 0; r < p_blk.rows(); ++r) {
     if (lse[r] == neg_inf<T>())
       p_blk.row(r).setZero();
     else
-      p_blk.row(r) = masked_exp(p_blk.row(r), lse[r]);
+      exp_shifted(&p_blk(r, 0), p_blk.cols(), lse[r], tmp);
   }
 }
 
@@ -73,40 +94,31 @@ int64_t key_blocks_for(const AttnConfig<T>& cfg, int64_t i0, int64_t rows) {
   return last < 0 ? 0 : num_blocks(last + 1, kBlockS);
 }
 
-template <typename T>
-MapRowsC<T> rows_of(const View4<const T>& a, int64_t n, int64_t h, int64_t r0, int64_t rows, int64_t cols) {
-  return MapRowsC<T>(a.at(n, h, r0), rows, cols, Eigen::OuterStride<>(a.row));
-}
-template <typename T>
-MapRows<T> rows_of(const View4<T>& a, int64_t n, int64_t h, int64_t r0, int64_t rows, int64_t cols) {
-  return MapRows<T>(a.at(n, h, r0), rows, cols, Eigen::OuterStride<>(a.row));
-}
-
 }  // namespace
 
 template <typename T>
 void sdpa_forward(const View4<T>& out, T* logsumexp, const View4<const T>& q, const View4<const T>& k,
                   const View4<const T>& v, const AttnConfig<T>& cfg) {
   const int64_t q_blocks = num_blocks(cfg.L, kBlockL);
+  const std::vector<T> kt = transpose_heads(k, cfg.N, cfg.Hk, cfg.S, cfg.D);  // (N, Hk, D, S)
 #pragma omp parallel
   {
     RowMat<T> s_blk, acc;                       // (Br, Bc) scores then weights; (Br, Dv) running output
     Eigen::Matrix<T, Eigen::Dynamic, 1> m, l;   // (Br) running max and running sum
+    Eigen::Array<T, Eigen::Dynamic, 1> tmp;     // (Bc) exp scratch
 #pragma omp for collapse(3) schedule(dynamic)
     for (int64_t n = 0; n < cfg.N; ++n)
       for (int64_t h = 0; h < cfg.Hq; ++h)
         for (int64_t qb = 0; qb < q_blocks; ++qb) {
           const int64_t hk = h / cfg.group(), i0 = qb * kBlockL, rows = std::min(kBlockL, cfg.L - i0);
-          const auto q_blk = rows_of(q, n, h, i0, rows, cfg.D);  // (Br, D)
+          const T* kt_h = kt.data() + (n * cfg.Hk + hk) * cfg.D * cfg.S;
           acc.setZero(rows, cfg.Dv);
           m.setConstant(rows, neg_inf<T>());
           l.setZero(rows);
           const int64_t k_blocks = key_blocks_for(cfg, i0, rows);
           for (int64_t kb = 0; kb < k_blocks; ++kb) {
             const int64_t j0 = kb * kBlockS, cols = std::min(kBlockS, cfg.S - j0);
-            const auto k_blk = rows_of(k, n, hk, j0, cols, cfg.D);   // (Bc, D)
-            const auto v_blk = rows_of(v, n, hk, j0, cols, cfg.Dv);  // (Bc, Dv)
-            if (!score_block(s_blk, q_blk, k_blk, cfg, n, h, i0, j0)) continue;
+            if (!score_block(s_blk, q.at(n, h, i0), q.row, kt_h, rows, cols, cfg, n, h, i0, j0)) continue;
             for (int64_t r = 0; r < rows; ++r) {
               const T m_new = std::max(m(r), s_blk.row(r).maxCoeff());
               if (m_new == neg_inf<T>()) {  // nothing visible yet in this row
@@ -114,15 +126,16 @@ void sdpa_forward(const View4<T>& out, T* logsumexp, const View4<const T>& q, co
                 continue;
               }
               const T alpha = std::exp(m(r) - m_new);  // rescales what was summed under the old max
-              s_blk.row(r) = masked_exp(s_blk.row(r), m_new);
-              l(r) = l(r) * alpha + s_blk.row(r).sum();
+              l(r) = l(r) * alpha + exp_shifted(&s_blk(r, 0), cols, m_new, tmp);
               acc.row(r) *= alpha;
               m(r) = m_new;
             }
             if (cfg.dropout_p > 0) apply_dropout(s_blk, cfg, n, h, i0, j0);
-            acc.noalias() += s_blk * v_blk;
+            // acc += p v_blk
+            gemm(acc.data(), cfg.Dv, s_blk.data(), cols, int64_t(1), v.at(n, hk, j0), v.row, rows, cfg.Dv, cols,
+                 T(1), true);
           }
-          auto o_blk = rows_of(out, n, h, i0, rows, cfg.Dv);
+          auto o_blk = MapRows<T>(out.at(n, h, i0), rows, cfg.Dv, Eigen::OuterStride<>(out.row));
           T* lse = logsumexp + (n * cfg.Hq + h) * cfg.L + i0;
           for (int64_t r = 0; r < rows; ++r) {
             if (l(r) > 0) {
@@ -153,49 +166,54 @@ void sdpa_backward(const View4<T>& dq, const View4<T>& dk, const View4<T>& dv, c
         for (int64_t c = 0; c < cfg.Dv; ++c) sum += do_row[c] * o_row[c];
         delta[(n * cfg.Hq + h) * cfg.L + i] = sum;
       }
+  const std::vector<T> kt = transpose_heads(k, cfg.N, cfg.Hk, cfg.S, cfg.D);   // (N, Hk, D, S)
+  const std::vector<T> vt = transpose_heads(v, cfg.N, cfg.Hk, cfg.S, cfg.Dv);  // (N, Hk, Dv, S)
   const int64_t k_blocks = num_blocks(cfg.S, kBlockS), q_blocks = num_blocks(cfg.L, kBlockL);
   // One thread owns a (n, key/value head) pair: it alone writes that pair's dk, dv and, since each query
   // head belongs to one key/value head, its query heads' dq.
 #pragma omp parallel
   {
-    RowMat<T> p_blk, dp_blk;  // (Br, Bc)
+    RowMat<T> p_blk, dp_blk, pd_blk;  // (Br, Bc)
+    Eigen::Array<T, Eigen::Dynamic, 1> tmp;
 #pragma omp for collapse(2) schedule(dynamic)
     for (int64_t n = 0; n < cfg.N; ++n)
       for (int64_t hk = 0; hk < cfg.Hk; ++hk)
         for (int64_t kb = 0; kb < k_blocks; ++kb) {
           const int64_t j0 = kb * kBlockS, cols = std::min(kBlockS, cfg.S - j0);
-          const auto k_blk = rows_of(k, n, hk, j0, cols, cfg.D);   // (Bc, D)
-          const auto v_blk = rows_of(v, n, hk, j0, cols, cfg.Dv);  // (Bc, Dv)
-          auto dk_blk = rows_of(dk, n, hk, j0, cols, cfg.D);
-          auto dv_blk = rows_of(dv, n, hk, j0, cols, cfg.Dv);
+          const T* kt_h = kt.data() + (n * cfg.Hk + hk) * cfg.D * cfg.S;
+          const T* vt_h = vt.data() + (n * cfg.Hk + hk) * cfg.Dv * cfg.S;
           for (int64_t h = hk * cfg.group(); h < (hk + 1) * cfg.group(); ++h)
             for (int64_t qb = 0; qb < q_blocks; ++qb) {
               const int64_t i0 = qb * kBlockL, rows = std::min(kBlockL, cfg.L - i0);
               if (key_blocks_for(cfg, i0, rows) <= kb) continue;  // block wholly above the causal diagonal
-              const auto q_blk = rows_of(q, n, h, i0, rows, cfg.D);
-              const auto do_blk = rows_of(dout, n, h, i0, rows, cfg.Dv);
-              auto dq_blk = rows_of(dq, n, h, i0, rows, cfg.D);
+              const T* q_blk = q.at(n, h, i0);
+              const T* do_blk = dout.at(n, h, i0);
               const T* lse = logsumexp + (n * cfg.Hq + h) * cfg.L + i0;
               const T* dlt = delta.data() + (n * cfg.Hq + h) * cfg.L + i0;
               // s = scale * q k^T + mask;  p = exp(s - lse)
-              if (!score_block(p_blk, q_blk, k_blk, cfg, n, h, i0, j0)) continue;
-              probs_from_lse(p_blk, lse);
+              if (!score_block(p_blk, q_blk, q.row, kt_h, rows, cols, cfg, n, h, i0, j0)) continue;
+              probs_from_lse(p_blk, lse, tmp);
               // dp_dropped = dout v^T            <- out = p_dropped v
-              dp_blk.noalias() = do_blk * v_blk.transpose();
+              dp_blk.resize(rows, cols);
+              gemm(dp_blk.data(), cols, do_blk, dout.row, int64_t(1), vt_h + j0, cfg.S, rows, cols, cfg.Dv, T(1),
+                   false);
+              const RowMat<T>* p_used = &p_blk;  // the weights that multiplied v in the forward
               if (cfg.dropout_p > 0) {
-                RowMat<T> pd_blk = p_blk;
+                pd_blk = p_blk;
                 apply_dropout(pd_blk, cfg, n, h, i0, j0);
-                dv_blk.noalias() += pd_blk.transpose() * do_blk;  // dv += p_dropped^T dout
-                apply_dropout(dp_blk, cfg, n, h, i0, j0);         // dp = dp_dropped * keep / (1 - p)
-              } else {
-                dv_blk.noalias() += p_blk.transpose() * do_blk;   // dv += p^T dout
+                apply_dropout(dp_blk, cfg, n, h, i0, j0);  // dp = dp_dropped * keep / (1 - p)
+                p_used = &pd_blk;
               }
+              // dv += p_used^T dout
+              gemm(dv.at(n, hk, j0), dv.row, p_used->data(), int64_t(1), cols, do_blk, dout.row, cols, cfg.Dv, rows,
+                   T(1), true);
               // ds = p * (dp - delta)            <- p = softmax(s)
-              for (int64_t r = 0; r < rows; ++r)
-                p_blk.row(r).array() *= dp_blk.row(r).array() - dlt[r];
+              for (int64_t r = 0; r < rows; ++r) p_blk.row(r).array() *= dp_blk.row(r).array() - dlt[r];
               // dq += scale * ds k;  dk += scale * ds^T q   <- s = scale * q k^T
-              dq_blk.noalias() += cfg.scale * (p_blk * k_blk);
-              dk_blk.noalias() += cfg.scale * (p_blk.transpose() * q_blk);
+              gemm(dq.at(n, h, i0), dq.row, p_blk.data(), cols, int64_t(1), k.at(n, hk, j0), k.row, rows, cfg.D,
+                   cols, cfg.scale, true);
+              gemm(dk.at(n, hk, j0), dk.row, p_blk.data(), int64_t(1), cols, q_blk, q.row, cols, cfg.D, rows,
+                   cfg.scale, true);
             }
         }
   }
@@ -205,21 +223,21 @@ template <typename T>
 void sdpa_weights(T* weights, const T* logsumexp, const View4<const T>& q, const View4<const T>& k,
                   const AttnConfig<T>& cfg) {
   const int64_t q_blocks = num_blocks(cfg.L, kBlockL);
-  const View4<T> w{weights, cfg.Hq * cfg.L * cfg.S, cfg.L * cfg.S, cfg.S};
+  const std::vector<T> kt = transpose_heads(k, cfg.N, cfg.Hk, cfg.S, cfg.D);  // (N, Hk, D, S)
 #pragma omp parallel
   {
     RowMat<T> p_blk;
+    Eigen::Array<T, Eigen::Dynamic, 1> tmp;
 #pragma omp for collapse(3) schedule(dynamic)
     for (int64_t n = 0; n < cfg.N; ++n)
       for (int64_t h = 0; h < cfg.Hq; ++h)
         for (int64_t qb = 0; qb < q_blocks; ++qb) {
           const int64_t i0 = qb * kBlockL, rows = std::min(kBlockL, cfg.L - i0);
-          const auto q_blk = rows_of(q, n, h, i0, rows, cfg.D);
-          const auto k_all = rows_of(k, n, h / cfg.group(), 0, cfg.S, cfg.D);
-          score_block(p_blk, q_blk, k_all, cfg, n, h, i0, 0);
-          probs_from_lse(p_blk, logsumexp + (n * cfg.Hq + h) * cfg.L + i0);
+          const T* kt_h = kt.data() + (n * cfg.Hk + h / cfg.group()) * cfg.D * cfg.S;
+          score_block(p_blk, q.at(n, h, i0), q.row, kt_h, rows, cfg.S, cfg, n, h, i0, 0);
+          probs_from_lse(p_blk, logsumexp + (n * cfg.Hq + h) * cfg.L + i0, tmp);
           if (cfg.dropout_p > 0) apply_dropout(p_blk, cfg, n, h, i0, 0);
-          rows_of(w, n, h, i0, rows, cfg.S) = p_blk;
+          std::copy(p_blk.data(), p_blk.data() + rows * cfg.S, weights + ((n * cfg.Hq + h) * cfg.L + i0) * cfg.S);
         }
   }
 }
