@@ -64,26 +64,39 @@ void apply_dropout(RowMat<T>& p_blk, const AttnConfig<T>& cfg, int64_t n, int64_
   }
 }
 
-// row = exp(row - shift), exactly 0 where row is -inf, with Eigen's vectorized exp into `tmp`; returns the
-// row's sum. Eigen clamps the argument of exp, so exp(-inf) alone would give a denormal (about 5e-309 in double)
-// instead of 0.
+// row = exp(row - shift), exactly 0 where row is -inf; returns the row's sum. One pass with Eigen's vectorized
+// exp on its packets (Eigen clamps the argument of exp, so exp(-inf) alone would give a denormal, about 5e-309
+// in double, instead of 0; the select fixes that). The sum is in a fixed order: one partial sum per lane.
 template <typename T>
-T exp_shifted(T* row, int64_t n, T shift, Eigen::Array<T, Eigen::Dynamic, 1>& tmp) {
-  using Arr = Eigen::Array<T, Eigen::Dynamic, 1>;
-  tmp = (Eigen::Map<const Arr>(row, n) - shift).exp();
-  for (int64_t c = 0; c < n; ++c) tmp[c] = row[c] == neg_inf<T>() ? T(0) : tmp[c];
-  Eigen::Map<Arr>(row, n) = tmp;
-  return tmp.sum();  // tmp is aligned: the order of this vectorized sum is fixed
+T exp_shifted(T* row, int64_t n, T shift) {
+  namespace ei = Eigen::internal;
+  using P = typename ei::packet_traits<T>::type;
+  constexpr int64_t W = ei::unpacket_traits<P>::size;
+  const P vshift = ei::pset1<P>(shift), vninf = ei::pset1<P>(neg_inf<T>()), zero = ei::pset1<P>(T(0));
+  P vsum = zero;
+  int64_t c = 0;
+  for (; c + W <= n; c += W) {
+    const P x = ei::ploadu<P>(row + c);
+    const P e = ei::pselect(ei::pcmp_eq(x, vninf), zero, ei::pexp(ei::psub(x, vshift)));
+    ei::pstoreu(row + c, e);
+    vsum = ei::padd(vsum, e);
+  }
+  T sum = ei::predux(vsum);
+  for (; c < n; ++c) {
+    row[c] = row[c] == neg_inf<T>() ? T(0) : std::exp(row[c] - shift);
+    sum += row[c];
+  }
+  return sum;
 }
 
 // p_blk = exp(scores - logsumexp) row by row; rows with logsumexp = -inf (fully masked) are 0.
 template <typename T>
-void probs_from_lse(RowMat<T>& p_blk, const T* lse, Eigen::Array<T, Eigen::Dynamic, 1>& tmp) {
+void probs_from_lse(RowMat<T>& p_blk, const T* lse) {
   for (int64_t r = 0; r < p_blk.rows(); ++r) {
     if (lse[r] == neg_inf<T>())
       p_blk.row(r).setZero();
     else
-      exp_shifted(&p_blk(r, 0), p_blk.cols(), lse[r], tmp);
+      exp_shifted(&p_blk(r, 0), p_blk.cols(), lse[r]);
   }
 }
 
@@ -105,7 +118,6 @@ void sdpa_forward(const View4<T>& out, T* logsumexp, const View4<const T>& q, co
   {
     RowMat<T> s_blk, acc;                       // (Br, Bc) scores then weights; (Br, Dv) running output
     Eigen::Matrix<T, Eigen::Dynamic, 1> m, l;   // (Br) running max and running sum
-    Eigen::Array<T, Eigen::Dynamic, 1> tmp;     // (Bc) exp scratch
 #pragma omp for collapse(3) schedule(dynamic)
     for (int64_t n = 0; n < cfg.N; ++n)
       for (int64_t h = 0; h < cfg.Hq; ++h)
@@ -126,7 +138,7 @@ void sdpa_forward(const View4<T>& out, T* logsumexp, const View4<const T>& q, co
                 continue;
               }
               const T alpha = std::exp(m(r) - m_new);  // rescales what was summed under the old max
-              l(r) = l(r) * alpha + exp_shifted(&s_blk(r, 0), cols, m_new, tmp);
+              l(r) = l(r) * alpha + exp_shifted(&s_blk(r, 0), cols, m_new);
               acc.row(r) *= alpha;
               m(r) = m_new;
             }
@@ -174,7 +186,6 @@ void sdpa_backward(const View4<T>& dq, const View4<T>& dk, const View4<T>& dv, c
 #pragma omp parallel
   {
     RowMat<T> p_blk, dp_blk, pd_blk;  // (Br, Bc)
-    Eigen::Array<T, Eigen::Dynamic, 1> tmp;
 #pragma omp for collapse(2) schedule(dynamic)
     for (int64_t n = 0; n < cfg.N; ++n)
       for (int64_t hk = 0; hk < cfg.Hk; ++hk)
@@ -192,7 +203,7 @@ void sdpa_backward(const View4<T>& dq, const View4<T>& dk, const View4<T>& dv, c
               const T* dlt = delta.data() + (n * cfg.Hq + h) * cfg.L + i0;
               // s = scale * q k^T + mask;  p = exp(s - lse)
               if (!score_block(p_blk, q_blk, q.row, kt_h, rows, cols, cfg, n, h, i0, j0)) continue;
-              probs_from_lse(p_blk, lse, tmp);
+              probs_from_lse(p_blk, lse);
               // dp_dropped = dout v^T            <- out = p_dropped v
               dp_blk.resize(rows, cols);
               gemm(dp_blk.data(), cols, do_blk, dout.row, int64_t(1), vt_h + j0, cfg.S, rows, cols, cfg.Dv, T(1),
@@ -227,7 +238,6 @@ void sdpa_weights(T* weights, const T* logsumexp, const View4<const T>& q, const
 #pragma omp parallel
   {
     RowMat<T> p_blk;
-    Eigen::Array<T, Eigen::Dynamic, 1> tmp;
 #pragma omp for collapse(3) schedule(dynamic)
     for (int64_t n = 0; n < cfg.N; ++n)
       for (int64_t h = 0; h < cfg.Hq; ++h)
@@ -235,7 +245,7 @@ void sdpa_weights(T* weights, const T* logsumexp, const View4<const T>& q, const
           const int64_t i0 = qb * kBlockL, rows = std::min(kBlockL, cfg.L - i0);
           const T* kt_h = kt.data() + (n * cfg.Hk + h / cfg.group()) * cfg.D * cfg.S;
           score_block(p_blk, q.at(n, h, i0), q.row, kt_h, rows, cfg.S, cfg, n, h, i0, 0);
-          probs_from_lse(p_blk, logsumexp + (n * cfg.Hq + h) * cfg.L + i0, tmp);
+          probs_from_lse(p_blk, logsumexp + (n * cfg.Hq + h) * cfg.L + i0);
           if (cfg.dropout_p > 0) apply_dropout(p_blk, cfg, n, h, i0, 0);
           std::copy(p_blk.data(), p_blk.data() + rows * cfg.S, weights + ((n * cfg.Hq + h) * cfg.L + i0) * cfg.S);
         }
