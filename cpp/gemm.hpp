@@ -10,6 +10,8 @@
 #include <algorithm>
 #include <cstring>
 
+#include <omp.h>
+
 namespace attnpp {
 namespace gemm_detail {
 
@@ -111,6 +113,27 @@ void gemm(T* C, int64_t ldc, const T* A, int64_t ars, int64_t acs, const T* B, i
       T sum = 0;
       for (int64_t k = 0; k < K; ++k) sum += A[i * ars + k * acs] * B[k * ldb + jj];
       C[i * ldc + jj] = accumulate ? C[i * ldc + jj] + alpha * sum : alpha * sum;
+    }
+}
+
+// The same product for large operands (the projections): cut into blocks of (kMC, kNC) elements of C, run in
+// parallel, each walking k in slices of kKC so that its slice of A and of B stays in cache. Every element of C
+// is written by one thread, which sums over k in order: the result does not depend on the thread count.
+template <typename T>
+void gemm_parallel(T* C, int64_t ldc, const T* A, int64_t ars, int64_t acs, const T* B, int64_t ldb, int64_t M,
+                   int64_t N, int64_t K, T alpha, bool accumulate) {
+  constexpr int64_t kMC = 120, kNC = 256, kKC = 256;
+  const int64_t m_blocks = (M + kMC - 1) / kMC, n_blocks = (N + kNC - 1) / kNC;
+  const int64_t k_slices = std::max<int64_t>(1, (K + kKC - 1) / kKC);  // one (empty) slice when K = 0 zeroes C
+#pragma omp parallel for collapse(2) schedule(dynamic) if (M * N * K > (int64_t(1) << 18))
+  for (int64_t mb = 0; mb < m_blocks; ++mb)
+    for (int64_t nb = 0; nb < n_blocks; ++nb) {
+      const int64_t i0 = mb * kMC, j0 = nb * kNC, rows = std::min(kMC, M - i0), cols = std::min(kNC, N - j0);
+      for (int64_t s = 0; s < k_slices; ++s) {
+        const int64_t k0 = s * kKC;
+        gemm(C + i0 * ldc + j0, ldc, A + i0 * ars + k0 * acs, ars, acs, B + k0 * ldb + j0, ldb, rows, cols,
+             std::min(kKC, K - k0), alpha, accumulate || s > 0);
+      }
     }
 }
 
