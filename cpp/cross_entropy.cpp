@@ -7,17 +7,41 @@
 
 namespace attnpp {
 
+namespace {
+
+// sum_j exp(x_j - m) in double. The exp runs in T on Eigen's vectors, a chunk at a time into a buffer that stays
+// in L1, and each chunk is added in double, one running sum per lane (a fixed order): in float32 a confident row
+// (one logit far above 50,256 others) would add terms below half an ulp of the running sum and lose them all.
+template <typename T>
+double sum_exp_shifted(const T* x, int64_t n, T m) {
+  constexpr int64_t kChunk = 1024, kLanes = 8;
+  alignas(64) T buf[kChunk];
+  double lanes[kLanes] = {};
+  double tail = 0;
+  for (int64_t c0 = 0; c0 < n; c0 += kChunk) {
+    const int64_t len = std::min(kChunk, n - c0);
+    using Arr = Eigen::Array<T, Eigen::Dynamic, 1>;
+    Eigen::Map<Arr, Eigen::Aligned64>(buf, len) = (Eigen::Map<const Arr>(x + c0, len) - m).exp();
+    int64_t j = 0;
+    for (; j + kLanes <= len; j += kLanes)
+      for (int64_t l = 0; l < kLanes; ++l) lanes[l] += double(buf[j + l]);
+    for (; j < len; ++j) tail += double(buf[j]);
+  }
+  double sum = tail;
+  for (int64_t l = 0; l < kLanes; ++l) sum += lanes[l];
+  return sum;
+}
+
+}  // namespace
+
 template <typename T>
 void cross_entropy_forward(T* losses, T* stats, const T* input, const int64_t* target, int64_t N, int64_t C,
                            int64_t ignore_index) {
 #pragma omp parallel for schedule(static)
   for (int64_t i = 0; i < N; ++i) {
     const T* row = input + i * C;
-    const Eigen::Map<const Eigen::Array<T, Eigen::Dynamic, 1>> x(row, C);
-    const T m = x.maxCoeff();
-    // Vectorized exp, summed in double: in float32 a confident row (one logit far above 50,256 others) would
-    // add terms below half an ulp of the running sum and lose them all.
-    const double log_sum = std::log((x - m).exp().template cast<double>().sum());
+    const T m = Eigen::Map<const Eigen::Array<T, Eigen::Dynamic, 1>>(row, C).maxCoeff();
+    const double log_sum = std::log(sum_exp_shifted(row, C, m));
     stats[2 * i] = m, stats[2 * i + 1] = T(log_sum);
     // loss_i = logsumexp_i - input[i, target_i] = (m - input[i, target_i]) + log_sum, in that order so that a
     // small loss is not lost next to a large m

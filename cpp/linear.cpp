@@ -16,14 +16,20 @@ void product(T* C, const T* A, int64_t ars, int64_t acs, const T* B, int64_t ldb
     gemm_parallel(C, N, A, ars, acs, B, ldb, M, N, K, T(1), accumulate);
     return;
   }
-  using Strided = Eigen::Map<const RowMat<T>, 0, Eigen::Stride<Eigen::Dynamic, Eigen::Dynamic>>;
-  const Strided a(A, M, K, Eigen::Stride<Eigen::Dynamic, Eigen::Dynamic>(ars, acs));
+  // A is a transposed view (ars == 1) or has contiguous rows (acs == 1) everywhere in this file.
   const MapRowsC<T> b(B, K, N, Eigen::OuterStride<>(ldb));
   MapRows<T> c(C, M, N, Eigen::OuterStride<>(N));
-  if (accumulate)
-    c.noalias() += a * b;
+  const auto run = [&](const auto& a) {
+    if (accumulate)
+      c.noalias() += a * b;
+    else
+      c.noalias() = a * b;
+  };
+  if (ars == 1)
+    run(Eigen::Map<const Eigen::Matrix<T, Eigen::Dynamic, Eigen::Dynamic>, 0, Eigen::OuterStride<>>(
+        A, M, K, Eigen::OuterStride<>(acs)));
   else
-    c.noalias() = a * b;
+    run(MapRowsC<T>(A, M, K, Eigen::OuterStride<>(ars)));
 }
 
 }  // namespace
