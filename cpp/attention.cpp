@@ -23,7 +23,7 @@ template <typename T>
 std::vector<T> transpose_heads(const View4<const T>& a, int64_t N, int64_t H, int64_t rows, int64_t cols) {
   std::vector<T> t(N * H * rows * cols);
   constexpr int64_t kTile = 32;
-#pragma omp parallel for collapse(2) schedule(static)
+#pragma omp parallel for collapse(2) schedule(static) if (worth_threads(N * H * rows * cols))
   for (int64_t nh = 0; nh < N * H; ++nh)
     for (int64_t r0 = 0; r0 < rows; r0 += kTile) {
       T* dst = t.data() + nh * rows * cols;
@@ -114,7 +114,7 @@ void sdpa_forward(const View4<T>& out, T* logsumexp, const View4<const T>& q, co
                   const View4<const T>& v, const AttnConfig<T>& cfg) {
   const int64_t q_blocks = num_blocks(cfg.L, kBlockL);
   const std::vector<T> kt = transpose_heads(k, cfg.N, cfg.Hk, cfg.S, cfg.D);  // (N, Hk, D, S)
-#pragma omp parallel
+#pragma omp parallel if (worth_threads(cfg.work()))
   {
     RowMat<T> s_blk, acc;                       // (Br, Bc) scores then weights; (Br, Dv) running output
     Eigen::Matrix<T, Eigen::Dynamic, 1> m, l;   // (Br) running max and running sum
@@ -169,7 +169,7 @@ void sdpa_backward(const View4<T>& dq, const View4<T>& dk, const View4<T>& dv, c
   // delta (N, Hq, L) = rowsum(dout * out): the softmax backward's sum_j P_ij dP_ij, dropout included.
   // Summed in a fixed order (not Eigen's alignment-dependent reduction) so that results are reproducible.
   std::vector<T> delta(cfg.N * cfg.Hq * cfg.L);
-#pragma omp parallel for collapse(2)
+#pragma omp parallel for collapse(2) if (worth_threads(cfg.N * cfg.Hq * cfg.L * cfg.Dv))
   for (int64_t n = 0; n < cfg.N; ++n)
     for (int64_t h = 0; h < cfg.Hq; ++h)
       for (int64_t i = 0; i < cfg.L; ++i) {
@@ -183,7 +183,7 @@ void sdpa_backward(const View4<T>& dq, const View4<T>& dk, const View4<T>& dv, c
   const int64_t k_blocks = num_blocks(cfg.S, kBlockS), q_blocks = num_blocks(cfg.L, kBlockL);
   // One thread owns a (n, key/value head) pair: it alone writes that pair's dk, dv and, since each query
   // head belongs to one key/value head, its query heads' dq.
-#pragma omp parallel
+#pragma omp parallel if (worth_threads(cfg.work()))
   {
     RowMat<T> p_blk, dp_blk, pd_blk;  // (Br, Bc)
 #pragma omp for collapse(2) schedule(dynamic)
@@ -235,7 +235,7 @@ void sdpa_weights(T* weights, const T* logsumexp, const View4<const T>& q, const
                   const AttnConfig<T>& cfg) {
   const int64_t q_blocks = num_blocks(cfg.L, kBlockL);
   const std::vector<T> kt = transpose_heads(k, cfg.N, cfg.Hk, cfg.S, cfg.D);  // (N, Hk, D, S)
-#pragma omp parallel
+#pragma omp parallel if (worth_threads(cfg.work()))
   {
     RowMat<T> p_blk;
 #pragma omp for collapse(3) schedule(dynamic)

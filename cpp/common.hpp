@@ -37,6 +37,10 @@ struct MaskView {
   }
 };
 
+// Whether a loop of `work` multiply-adds (or elements) is worth waking the OpenMP threads for: a parallel region
+// costs microseconds (tens when the threads have gone to sleep), as much as the whole of a small layer's call.
+inline bool worth_threads(int64_t work) { return work >= (int64_t(1) << 17); }
+
 enum class Causal : int { none = 0, top_left = 1, bottom_right = 2 };
 
 // Everything that defines one attention problem besides its buffers.
@@ -50,6 +54,7 @@ struct AttnConfig {
   std::vector<MaskView<T>> masks;  // summed into the scores
 
   int64_t group() const { return Hq / Hk; }  // query heads per key/value head (GQA)
+  int64_t work() const { return N * Hq * L * S * (D + Dv); }  // multiply-adds of a forward without masking
   // Last key a query row may see under the causal mask (inclusive); S - 1 when not causal.
   int64_t last_key(int64_t i) const {
     if (causal == Causal::none) return S - 1;

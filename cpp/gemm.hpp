@@ -6,11 +6,11 @@
 // k is fixed, so results do not depend on the buffers' alignment or on the thread count.
 #pragma once
 
-#include <cstdint>
 #include <algorithm>
+#include <cstdint>
 #include <cstring>
 
-#include <omp.h>
+#include "common.hpp"
 
 namespace attnpp {
 namespace gemm_detail {
@@ -125,7 +125,7 @@ void gemm_parallel(T* C, int64_t ldc, const T* A, int64_t ars, int64_t acs, cons
   constexpr int64_t kMC = 120, kNC = 256, kKC = 256;
   const int64_t m_blocks = (M + kMC - 1) / kMC, n_blocks = (N + kNC - 1) / kNC;
   const int64_t k_slices = std::max<int64_t>(1, (K + kKC - 1) / kKC);  // one (empty) slice when K = 0 zeroes C
-#pragma omp parallel for collapse(2) schedule(dynamic) if (M * N * K > (int64_t(1) << 18))
+#pragma omp parallel for collapse(2) schedule(dynamic) if (worth_threads(M * N * K))
   for (int64_t mb = 0; mb < m_blocks; ++mb)
     for (int64_t nb = 0; nb < n_blocks; ++nb) {
       const int64_t i0 = mb * kMC, j0 = nb * kNC, rows = std::min(kMC, M - i0), cols = std::min(kNC, N - j0);
