@@ -29,14 +29,17 @@ _CAUSAL = {"top_left": 1, "bottom_right": 2}
 
 # ----------------------------------------------------------------------------------------------- validation
 def check_array(x, name, ndim=None, min_ndim=None, dtype=None):
-    """``x`` as an ndarray of float32 or float64 (and of ``dtype`` when given), else TypeError/ValueError."""
+    """``x`` as an ndarray of float32 or float64 (and of ``dtype`` when given), else TypeError/ValueError.
+
+    ``ndim`` is an int or a tuple of allowed ints. Called on every layer call, so kept to plain comparisons.
+    """
     if not isinstance(x, np.ndarray):
         raise TypeError(f"{name}: expected a numpy.ndarray, got {type(x).__name__}")
     if x.dtype not in _FLOATS:
         raise TypeError(f"{name}: expected dtype float32 or float64, got {x.dtype}")
     if dtype is not None and x.dtype != dtype:
         raise TypeError(f"{name}: expected dtype {np.dtype(dtype)} (like the other inputs), got {x.dtype}")
-    if ndim is not None and x.ndim not in np.atleast_1d(ndim):
+    if ndim is not None and x.ndim != ndim and (type(ndim) is not tuple or x.ndim not in ndim):
         raise ValueError(f"{name}: expected {ndim} dimensions, got shape {x.shape}")
     if min_ndim is not None and x.ndim < min_ndim:
         raise ValueError(f"{name}: expected at least {min_ndim} dimensions, got shape {x.shape}")
@@ -381,6 +384,11 @@ def linear(input, weight, bias=None):
     if input.shape[-1] != weight.shape[1]:
         raise ValueError(f"input: last dimension must be weight's in_features {weight.shape[1]}, got input "
                          f"{input.shape} and weight {weight.shape}")
+    return _linear(input, weight, bias)
+
+
+def _linear(input, weight, bias):
+    """``linear`` without the checks, for layers that have made them."""
     x2 = np.ascontiguousarray(input).reshape(-1, input.shape[-1])
     out = np.empty((x2.shape[0], weight.shape[0]), input.dtype)
     _core.linear_forward(out, x2, np.ascontiguousarray(weight),

@@ -41,7 +41,10 @@ class Linear(Module):
     def forward(self, input):
         """input (*, Fin) -> (*, Fout)."""
         F.check_array(input, "input", min_ndim=1, dtype=self.dtype)
-        out = F.linear(input, self.weight.data, None if self.bias is None else self.bias.data)
+        if input.shape[-1] != self.in_features:
+            raise ValueError(f"input: last dimension must be in_features={self.in_features}, got shape "
+                             f"{input.shape}")
+        out = F._linear(input, self.weight.data, None if self.bias is None else self.bias.data)
         self._ctx = dict(input=input, out_shape=out.shape)
         return out
 
