@@ -9,7 +9,7 @@ import numbers
 import numpy as np
 
 from . import _core
-from ._random import check_seed
+from ._seeds import check_seed
 
 __all__ = [
     "dropout", "dropout_backward", "embedding", "embedding_backward",

@@ -2,7 +2,7 @@ import numpy as np
 
 from .. import _core
 from .. import functional as F
-from .._random import check_seed
+from .._seeds import check_seed
 from .dropout import Dropout
 from .linear import Linear
 from .module import Module, to_numpy

@@ -1,5 +1,5 @@
 from .. import functional as F
-from .._random import check_seed
+from .._seeds import check_seed
 from .module import Module
 
 

@@ -1,5 +1,5 @@
 from .. import functional as F
-from .._random import generator
+from .._seeds import generator
 from .module import Module
 
 

@@ -3,7 +3,7 @@ import math
 import numpy as np
 
 from .. import functional as F
-from .._random import generator
+from .._seeds import generator
 from .module import Module
 
 

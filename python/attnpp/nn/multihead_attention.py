@@ -4,7 +4,7 @@ import numpy as np
 
 from .. import _core
 from .. import functional as F
-from .._random import check_seed, generator
+from .._seeds import check_seed, generator
 from .linear import Linear
 from .module import Module
 

