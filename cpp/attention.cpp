@@ -5,6 +5,7 @@
 #include "attention.hpp"
 
 #include <algorithm>
+#include <memory>
 
 #include <omp.h>
 
@@ -18,17 +19,20 @@ constexpr int64_t kBlockS = 128;  // keys per block
 
 int64_t num_blocks(int64_t n, int64_t b) { return (n + b - 1) / b; }
 
-// (N, H, rows, cols) strided -> (N, H, cols, rows) contiguous: K^T and V^T per head.
+// (N, H, rows, cols) strided -> (N, H, cols, rows) contiguous: K^T and V^T per head. Left uninitialized before
+// (no memset of a buffer the size of K), written in tiles of 32 rows so that the reads stay in cache.
 template <typename T>
-std::vector<T> transpose_heads(const View4<const T>& a, int64_t N, int64_t H, int64_t rows, int64_t cols) {
-  std::vector<T> t(N * H * rows * cols);
+std::unique_ptr<T[]> transpose_heads(const View4<const T>& a, int64_t N, int64_t H, int64_t rows, int64_t cols) {
+  std::unique_ptr<T[]> t(new T[N * H * rows * cols]);
   constexpr int64_t kTile = 32;
 #pragma omp parallel for collapse(2) schedule(static) if (worth_threads(N * H * rows * cols))
   for (int64_t nh = 0; nh < N * H; ++nh)
     for (int64_t r0 = 0; r0 < rows; r0 += kTile) {
-      T* dst = t.data() + nh * rows * cols;
+      const T* src = a.at(nh / H, nh % H, 0);
+      T* dst = t.get() + nh * rows * cols;
+      const int64_t r1 = std::min(rows, r0 + kTile);
       for (int64_t c = 0; c < cols; ++c)
-        for (int64_t r = r0; r < std::min(rows, r0 + kTile); ++r) dst[c * rows + r] = a.at(nh / H, nh % H, r)[c];
+        for (int64_t r = r0; r < r1; ++r) dst[c * rows + r] = src[r * a.row + c];
     }
   return t;
 }
@@ -100,6 +104,13 @@ void probs_from_lse(RowMat<T>& p_blk, const T* lse) {
   }
 }
 
+// Width of key block [j0, ..) seen by query rows [i0, i0 + rows): the block cut at the causal diagonal, so that
+// the blocks on the diagonal compute no more columns than their last row can see.
+template <typename T>
+int64_t visible_cols(const AttnConfig<T>& cfg, int64_t i0, int64_t rows, int64_t j0) {
+  return std::min(std::min(kBlockS, cfg.S - j0), cfg.last_key(i0 + rows - 1) + 1 - j0);
+}
+
 // Key blocks [0, end) a query block [i0, i0 + rows) can see under the causal mask.
 template <typename T>
 int64_t key_blocks_for(const AttnConfig<T>& cfg, int64_t i0, int64_t rows) {
@@ -113,7 +124,7 @@ template <typename T>
 void sdpa_forward(const View4<T>& out, T* logsumexp, const View4<const T>& q, const View4<const T>& k,
                   const View4<const T>& v, const AttnConfig<T>& cfg) {
   const int64_t q_blocks = num_blocks(cfg.L, kBlockL);
-  const std::vector<T> kt = transpose_heads(k, cfg.N, cfg.Hk, cfg.S, cfg.D);  // (N, Hk, D, S)
+  const auto kt = transpose_heads(k, cfg.N, cfg.Hk, cfg.S, cfg.D);  // (N, Hk, D, S)
 #pragma omp parallel if (worth_threads(cfg.work()))
   {
     RowMat<T> s_blk, acc;                       // (Br, Bc) scores then weights; (Br, Dv) running output
@@ -123,13 +134,13 @@ void sdpa_forward(const View4<T>& out, T* logsumexp, const View4<const T>& q, co
       for (int64_t h = 0; h < cfg.Hq; ++h)
         for (int64_t qb = 0; qb < q_blocks; ++qb) {
           const int64_t hk = h / cfg.group(), i0 = qb * kBlockL, rows = std::min(kBlockL, cfg.L - i0);
-          const T* kt_h = kt.data() + (n * cfg.Hk + hk) * cfg.D * cfg.S;
+          const T* kt_h = kt.get() + (n * cfg.Hk + hk) * cfg.D * cfg.S;
           acc.setZero(rows, cfg.Dv);
           m.setConstant(rows, neg_inf<T>());
           l.setZero(rows);
           const int64_t k_blocks = key_blocks_for(cfg, i0, rows);
           for (int64_t kb = 0; kb < k_blocks; ++kb) {
-            const int64_t j0 = kb * kBlockS, cols = std::min(kBlockS, cfg.S - j0);
+            const int64_t j0 = kb * kBlockS, cols = visible_cols(cfg, i0, rows, j0);
             if (!score_block(s_blk, q.at(n, h, i0), q.row, kt_h, rows, cols, cfg, n, h, i0, j0)) continue;
             for (int64_t r = 0; r < rows; ++r) {
               const T m_new = std::max(m(r), s_blk.row(r).maxCoeff());
@@ -178,8 +189,8 @@ void sdpa_backward(const View4<T>& dq, const View4<T>& dk, const View4<T>& dv, c
         for (int64_t c = 0; c < cfg.Dv; ++c) sum += do_row[c] * o_row[c];
         delta[(n * cfg.Hq + h) * cfg.L + i] = sum;
       }
-  const std::vector<T> kt = transpose_heads(k, cfg.N, cfg.Hk, cfg.S, cfg.D);   // (N, Hk, D, S)
-  const std::vector<T> vt = transpose_heads(v, cfg.N, cfg.Hk, cfg.S, cfg.Dv);  // (N, Hk, Dv, S)
+  const auto kt = transpose_heads(k, cfg.N, cfg.Hk, cfg.S, cfg.D);   // (N, Hk, D, S)
+  const auto vt = transpose_heads(v, cfg.N, cfg.Hk, cfg.S, cfg.Dv);  // (N, Hk, Dv, S)
   const int64_t k_blocks = num_blocks(cfg.S, kBlockS), q_blocks = num_blocks(cfg.L, kBlockL);
   // One thread owns a (n, key/value head) pair: it alone writes that pair's dk, dv and, since each query
   // head belongs to one key/value head, its query heads' dq.
@@ -190,13 +201,14 @@ void sdpa_backward(const View4<T>& dq, const View4<T>& dk, const View4<T>& dv, c
     for (int64_t n = 0; n < cfg.N; ++n)
       for (int64_t hk = 0; hk < cfg.Hk; ++hk)
         for (int64_t kb = 0; kb < k_blocks; ++kb) {
-          const int64_t j0 = kb * kBlockS, cols = std::min(kBlockS, cfg.S - j0);
-          const T* kt_h = kt.data() + (n * cfg.Hk + hk) * cfg.D * cfg.S;
-          const T* vt_h = vt.data() + (n * cfg.Hk + hk) * cfg.Dv * cfg.S;
+          const int64_t j0 = kb * kBlockS;
+          const T* kt_h = kt.get() + (n * cfg.Hk + hk) * cfg.D * cfg.S;
+          const T* vt_h = vt.get() + (n * cfg.Hk + hk) * cfg.Dv * cfg.S;
           for (int64_t h = hk * cfg.group(); h < (hk + 1) * cfg.group(); ++h)
             for (int64_t qb = 0; qb < q_blocks; ++qb) {
               const int64_t i0 = qb * kBlockL, rows = std::min(kBlockL, cfg.L - i0);
               if (key_blocks_for(cfg, i0, rows) <= kb) continue;  // block wholly above the causal diagonal
+              const int64_t cols = visible_cols(cfg, i0, rows, j0);
               const T* q_blk = q.at(n, h, i0);
               const T* do_blk = dout.at(n, h, i0);
               const T* lse = logsumexp + (n * cfg.Hq + h) * cfg.L + i0;
@@ -234,7 +246,7 @@ template <typename T>
 void sdpa_weights(T* weights, const T* logsumexp, const View4<const T>& q, const View4<const T>& k,
                   const AttnConfig<T>& cfg) {
   const int64_t q_blocks = num_blocks(cfg.L, kBlockL);
-  const std::vector<T> kt = transpose_heads(k, cfg.N, cfg.Hk, cfg.S, cfg.D);  // (N, Hk, D, S)
+  const auto kt = transpose_heads(k, cfg.N, cfg.Hk, cfg.S, cfg.D);  // (N, Hk, D, S)
 #pragma omp parallel if (worth_threads(cfg.work()))
   {
     RowMat<T> p_blk;
@@ -243,7 +255,7 @@ void sdpa_weights(T* weights, const T* logsumexp, const View4<const T>& q, const
       for (int64_t h = 0; h < cfg.Hq; ++h)
         for (int64_t qb = 0; qb < q_blocks; ++qb) {
           const int64_t i0 = qb * kBlockL, rows = std::min(kBlockL, cfg.L - i0);
-          const T* kt_h = kt.data() + (n * cfg.Hk + h / cfg.group()) * cfg.D * cfg.S;
+          const T* kt_h = kt.get() + (n * cfg.Hk + h / cfg.group()) * cfg.D * cfg.S;
           score_block(p_blk, q.at(n, h, i0), q.row, kt_h, rows, cfg.S, cfg, n, h, i0, 0);
           probs_from_lse(p_blk, logsumexp + (n * cfg.Hq + h) * cfg.L + i0);
           if (cfg.dropout_p > 0) apply_dropout(p_blk, cfg, n, h, i0, 0);
