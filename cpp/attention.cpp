@@ -5,7 +5,6 @@
 #include "attention.hpp"
 
 #include <algorithm>
-#include <memory>
 
 #include <omp.h>
 
@@ -18,24 +17,6 @@ constexpr int64_t kBlockL = 64;   // query rows per block
 constexpr int64_t kBlockS = 128;  // keys per block
 
 int64_t num_blocks(int64_t n, int64_t b) { return (n + b - 1) / b; }
-
-// (N, H, rows, cols) strided -> (N, H, cols, rows) contiguous: K^T and V^T per head. Left uninitialized before
-// (no memset of a buffer the size of K), written in tiles of 32 rows so that the reads stay in cache.
-template <typename T>
-std::unique_ptr<T[]> transpose_heads(const View4<const T>& a, int64_t N, int64_t H, int64_t rows, int64_t cols) {
-  std::unique_ptr<T[]> t(new T[N * H * rows * cols]);
-  constexpr int64_t kTile = 32;
-#pragma omp parallel for collapse(2) schedule(static) if (worth_threads(N * H * rows * cols))
-  for (int64_t nh = 0; nh < N * H; ++nh)
-    for (int64_t r0 = 0; r0 < rows; r0 += kTile) {
-      const T* src = a.at(nh / H, nh % H, 0);
-      T* dst = t.get() + nh * rows * cols;
-      const int64_t r1 = std::min(rows, r0 + kTile);
-      for (int64_t c = 0; c < cols; ++c)
-        for (int64_t r = r0; r < r1; ++r) dst[c * rows + r] = src[r * a.row + c];
-    }
-  return t;
-}
 
 // scores (rows, cols) = scale * q_blk k_blk^T + masks, with -inf above the causal diagonal; q_blk (rows, D) with
 // row stride ldq, kt = K^T (D, S) of this head, from column j0. Returns false when every score is -inf.

@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <memory>
 
 #include "common.hpp"
 
@@ -114,6 +115,67 @@ void gemm(T* C, int64_t ldc, const T* A, int64_t ars, int64_t acs, const T* B, i
       for (int64_t k = 0; k < K; ++k) sum += A[i * ars + k * acs] * B[k * ldb + jj];
       C[i * ldc + jj] = accumulate ? C[i * ldc + jj] + alpha * sum : alpha * sum;
     }
+}
+
+// (N, H, rows, cols) strided -> (N, H, cols, rows) contiguous: K^T and V^T per head. Left uninitialized before
+// (no memset of a buffer the size of K), written in tiles of 32 rows so that the reads stay in cache.
+template <typename T>
+std::unique_ptr<T[]> transpose_heads(const View4<const T>& a, int64_t N, int64_t H, int64_t rows, int64_t cols) {
+  std::unique_ptr<T[]> t(new T[N * H * rows * cols]);
+  constexpr int64_t kTile = 32;
+#pragma omp parallel for collapse(2) schedule(static) if (worth_threads(N * H * rows * cols))
+  for (int64_t nh = 0; nh < N * H; ++nh)
+    for (int64_t r0 = 0; r0 < rows; r0 += kTile) {
+      const T* src = a.at(nh / H, nh % H, 0);
+      T* dst = t.get() + nh * rows * cols;
+      const int64_t r1 = std::min(rows, r0 + kTile);
+      for (int64_t c = 0; c < cols; ++c)
+        for (int64_t r = r0; r < r1; ++r) dst[c * rows + r] = src[r * a.row + c];
+    }
+  return t;
+}
+
+// sum_k a[k] b[k], vectorized, in a fixed order (4 vector accumulators, then their lanes, then the tail).
+template <typename T>
+inline T dot(const T* a, const T* b, int64_t n) {
+  using namespace gemm_detail;
+  using V = typename Vec<T>::type;
+  constexpr int W = Vec<T>::width;
+  V acc[4] = {};
+  int64_t k = 0;
+  for (; k + 4 * W <= n; k += 4 * W)
+    for (int u = 0; u < 4; ++u) {
+      V x, y;
+      std::memcpy(&x, a + k + u * W, sizeof(V));
+      std::memcpy(&y, b + k + u * W, sizeof(V));
+      acc[u] += x * y;
+    }
+  const V v = (acc[0] + acc[1]) + (acc[2] + acc[3]);
+  T sum = 0;
+  for (int l = 0; l < W; ++l) sum += v[l];
+  for (; k < n; ++k) sum += a[k] * b[k];
+  return sum;
+}
+
+// C (M, N) (+)= A Bt^T, A (M, K) and Bt (N, K) with contiguous rows (row strides lda, ldbt; C's is N): M * N dot
+// products along k. For outputs narrower than one vector, where the tiled kernel would run scalar loops. k runs in
+// slices of kKC so that the slice of Bt stays in cache while every row of A passes over it; each thread keeps the
+// same rows of C for every slice (static schedule), so each element is summed by one thread, slice after slice.
+template <typename T>
+void dot_products(T* C, const T* A, int64_t lda, const T* Bt, int64_t ldbt, int64_t M, int64_t N, int64_t K,
+                  bool accumulate) {
+  constexpr int64_t kKC = 2048;
+  const int64_t k_slices = std::max<int64_t>(1, (K + kKC - 1) / kKC);  // one (empty) slice when K = 0
+#pragma omp parallel if (worth_threads(M * N * K))
+  for (int64_t s = 0; s < k_slices; ++s) {
+    const int64_t k0 = s * kKC, kc = std::min(kKC, K - k0);
+#pragma omp for schedule(static) nowait
+    for (int64_t i = 0; i < M; ++i)
+      for (int64_t j = 0; j < N; ++j) {
+        const T d = dot(A + i * lda + k0, Bt + j * ldbt + k0, kc);
+        C[i * N + j] = accumulate || s > 0 ? C[i * N + j] + d : d;
+      }
+  }
 }
 
 // The same product for large operands (the projections): cut into blocks of (kMC, kNC) elements of C, run in

@@ -1,6 +1,6 @@
-// Linear layer: y = x w^T + b. The products run on the tiled kernel of gemm.hpp when the output is at least one
-// vector wide, on Eigen otherwise (Eigen vectorizes along k, which a 3-wide output, like the gradient of a
-// 3-wide input, needs).
+// Linear layer: y = x w^T + b. The products run on gemm.hpp's tiled kernel, which wants the output at least one
+// vector wide; a narrower side (the 3- to 5-wide embeddings of article 001's model, whose vocabulary projection
+// is 50257 wide) is handled by dot products or by computing the transposed product instead.
 #include "linear.hpp"
 
 #include "gemm.hpp"
@@ -8,38 +8,27 @@
 namespace attnpp {
 namespace {
 
-// C (M, N) (+)= A B; A (M, K) with strides (ars, acs); B (K, N) with row stride ldb; C with row stride N.
 template <typename T>
-void product(T* C, const T* A, int64_t ars, int64_t acs, const T* B, int64_t ldb, int64_t M, int64_t N, int64_t K,
-             bool accumulate) {
-  if (N >= gemm_detail::Vec<T>::width) {
-    gemm_parallel(C, N, A, ars, acs, B, ldb, M, N, K, T(1), accumulate);
-    return;
-  }
-  // A is a transposed view (ars == 1) or has contiguous rows (acs == 1) everywhere in this file.
-  const MapRowsC<T> b(B, K, N, Eigen::OuterStride<>(ldb));
-  MapRows<T> c(C, M, N, Eigen::OuterStride<>(N));
-  const auto run = [&](const auto& a) {
-    if (accumulate)
-      c.noalias() += a * b;
-    else
-      c.noalias() = a * b;
-  };
-  if (ars == 1)
-    run(Eigen::Map<const Eigen::Matrix<T, Eigen::Dynamic, Eigen::Dynamic>, 0, Eigen::OuterStride<>>(
-        A, M, K, Eigen::OuterStride<>(acs)));
-  else
-    run(MapRowsC<T>(A, M, K, Eigen::OuterStride<>(ars)));
+bool narrow(int64_t n) {
+  return n < gemm_detail::Vec<T>::width;
+}
+
+// w (Fout, Fin) -> w^T (Fin, Fout), contiguous.
+template <typename T>
+std::unique_ptr<T[]> transposed(const T* w, int64_t Fout, int64_t Fin) {
+  return transpose_heads(View4<const T>{w, 0, 0, Fin}, 1, 1, Fout, Fin);
 }
 
 }  // namespace
 
 template <typename T>
 void linear_forward(T* y, const T* x, const T* w, const T* b, int64_t M, int64_t Fin, int64_t Fout) {
-  // y = x w^T: the kernel wants B's rows contiguous, so w^T (Fin, Fout) is built first (Fin * Fout copies
-  // against M * Fin * Fout multiply-adds).
-  RowMat<T> wt = Eigen::Map<const RowMat<T>>(w, Fout, Fin).transpose();
-  product(y, x, Fin, int64_t(1), wt.data(), Fout, M, Fout, Fin, false);
+  if (narrow<T>(Fout)) {  // y[i, j] = x[i, :] . w[j, :]
+    dot_products(y, x, Fin, w, Fin, M, Fout, Fin, false);
+  } else {  // y = x w^T with w^T's rows contiguous: Fin * Fout copies against M * Fin * Fout multiply-adds
+    const auto wt = transposed(w, Fout, Fin);
+    gemm_parallel(y, Fout, x, Fin, int64_t(1), wt.get(), Fout, M, Fout, Fin, T(1), false);
+  }
   if (b)
     for (int64_t r = 0; r < M; ++r)
       for (int64_t c = 0; c < Fout; ++c) y[r * Fout + c] += b[c];
@@ -48,11 +37,24 @@ void linear_forward(T* y, const T* x, const T* w, const T* b, int64_t M, int64_t
 template <typename T>
 void linear_backward(T* dx, T* dw, T* db, const T* dy, const T* x, const T* w, int64_t M, int64_t Fin,
                      int64_t Fout) {
-  // dx += dy w                <- y = x w^T
-  if (dx) product(dx, dy, Fout, int64_t(1), w, Fin, M, Fin, Fout, true);
-  // dw += dy^T x              <- y = x w^T
-  product(dw, dy, int64_t(1), Fout, x, Fin, Fout, Fin, M, true);
-  // db += sum over rows of dy <- y += b
+  if (narrow<T>(Fin)) {
+    // dx[i, f] += dy[i, :] . w^T[f, :]     <- y = x w^T
+    if (dx) {
+      const auto wt = transposed(w, Fout, Fin);
+      dot_products(dx, dy, Fout, wt.get(), Fout, M, Fin, Fout, true);
+    }
+    // dw^T = x^T dy (Fin, Fout), wide, then dw += (dw^T)^T
+    std::unique_ptr<T[]> dwt(new T[Fin * Fout]);
+    gemm_parallel(dwt.get(), Fout, x, int64_t(1), Fin, dy, Fout, Fin, Fout, M, T(1), false);
+    for (int64_t o = 0; o < Fout; ++o)
+      for (int64_t f = 0; f < Fin; ++f) dw[o * Fin + f] += dwt[f * Fout + o];
+  } else {
+    // dx += dy w                            <- y = x w^T
+    if (dx) gemm_parallel(dx, Fin, dy, Fout, int64_t(1), w, Fin, M, Fin, Fout, T(1), true);
+    // dw += dy^T x                          <- y = x w^T
+    gemm_parallel(dw, Fin, dy, int64_t(1), Fout, x, Fin, Fout, Fin, M, T(1), true);
+  }
+  // db += sum over rows of dy               <- y += b
   // (a plain loop: Eigen's reductions over unaligned maps change order with the buffer's alignment)
   if (db)
     for (int64_t r = 0; r < M; ++r)
