@@ -225,22 +225,32 @@ void sdpa_backward(const View4<T>& dq, const View4<T>& dk, const View4<T>& dv, c
 
 template <typename T>
 void sdpa_weights(T* weights, const T* logsumexp, const View4<const T>& q, const View4<const T>& k,
-                  const AttnConfig<T>& cfg) {
-  const int64_t q_blocks = num_blocks(cfg.L, kBlockL);
+                  const AttnConfig<T>& cfg, bool average_heads) {
+  const int64_t q_blocks = num_blocks(cfg.L, kBlockL), heads_out = average_heads ? 1 : cfg.Hq;
   const auto kt = transpose_heads(k, cfg.N, cfg.Hk, cfg.S, cfg.D);  // (N, Hk, D, S)
 #pragma omp parallel if (worth_threads(cfg.work()))
   {
     RowMat<T> p_blk;
 #pragma omp for collapse(3) schedule(dynamic)
     for (int64_t n = 0; n < cfg.N; ++n)
-      for (int64_t h = 0; h < cfg.Hq; ++h)
+      for (int64_t ho = 0; ho < heads_out; ++ho)
         for (int64_t qb = 0; qb < q_blocks; ++qb) {
           const int64_t i0 = qb * kBlockL, rows = std::min(kBlockL, cfg.L - i0);
-          const T* kt_h = kt.get() + (n * cfg.Hk + h / cfg.group()) * cfg.D * cfg.S;
-          score_block(p_blk, q.at(n, h, i0), q.row, kt_h, rows, cfg.S, cfg, n, h, i0, 0);
-          probs_from_lse(p_blk, logsumexp + (n * cfg.Hq + h) * cfg.L + i0);
-          if (cfg.dropout_p > 0) apply_dropout(p_blk, cfg, n, h, i0, 0);
-          std::copy(p_blk.data(), p_blk.data() + rows * cfg.S, weights + ((n * cfg.Hq + h) * cfg.L + i0) * cfg.S);
+          auto w = MapRows<T>(weights + ((n * heads_out + ho) * cfg.L + i0) * cfg.S, rows, cfg.S,
+                              Eigen::OuterStride<>(cfg.S));
+          // one head, or all of them summed in order (then divided by Hq, as PyTorch's mean over heads)
+          const int64_t h_begin = average_heads ? 0 : ho, h_end = average_heads ? cfg.Hq : ho + 1;
+          for (int64_t h = h_begin; h < h_end; ++h) {
+            const T* kt_h = kt.get() + (n * cfg.Hk + h / cfg.group()) * cfg.D * cfg.S;
+            score_block(p_blk, q.at(n, h, i0), q.row, kt_h, rows, cfg.S, cfg, n, h, i0, 0);
+            probs_from_lse(p_blk, logsumexp + (n * cfg.Hq + h) * cfg.L + i0);
+            if (cfg.dropout_p > 0) apply_dropout(p_blk, cfg, n, h, i0, 0);
+            if (h == h_begin)
+              w = p_blk;
+            else
+              w += p_blk;
+          }
+          if (average_heads) w /= T(cfg.Hq);
         }
   }
 }
@@ -252,7 +262,7 @@ void sdpa_weights(T* weights, const T* logsumexp, const View4<const T>& q, const
                                  const View4<const T>&, const T*, const View4<const T>&,                      \
                                  const View4<const T>&, const View4<const T>&, const AttnConfig<T>&);         \
   template void sdpa_weights<T>(T*, const T*, const View4<const T>&, const View4<const T>&,                   \
-                                const AttnConfig<T>&);
+                                const AttnConfig<T>&, bool);
 ATTNPP_INSTANTIATE(float)
 ATTNPP_INSTANTIATE(double)
 

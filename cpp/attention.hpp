@@ -19,9 +19,10 @@ void sdpa_backward(const View4<T>& dq, const View4<T>& dk, const View4<T>& dv, c
                    const View4<const T>& k, const View4<const T>& v, const AttnConfig<T>& cfg);
 
 // The attention weights (N, Hq, L, S), contiguous, after dropout when cfg.dropout_p > 0:
-// P = exp(scale * q k^T + masks - logsumexp), recomputed from the forward's logsumexp.
+// P = exp(scale * q k^T + masks - logsumexp), recomputed from the forward's logsumexp. With average_heads, their
+// mean over the heads instead, (N, L, S), without building the per-head weights.
 template <typename T>
 void sdpa_weights(T* weights, const T* logsumexp, const View4<const T>& q, const View4<const T>& k,
-                  const AttnConfig<T>& cfg);
+                  const AttnConfig<T>& cfg, bool average_heads = false);
 
 }  // namespace attnpp

@@ -135,15 +135,18 @@ void sdpa_backward_t(const py::array& dq, const py::array& dk, const py::array& 
 template <typename T>
 void sdpa_weights_t(const py::array& weights, const py::array& lse, const py::array& q, const py::array& k,
                     const std::vector<MaskArg>& masks, double scale, int causal, double dropout_p,
-                    uint64_t seed) {
+                    uint64_t seed, bool average_heads) {
   const auto qv = view4<T, const T>(q, "query", false), kv = view4<T, const T>(k, "key", false);
   const auto cfg = make_config<T>(q, k, 0, masks, scale, causal, dropout_p, seed);
   expect_shape(lse, "logsumexp", {cfg.N, cfg.Hq, cfg.L});
-  expect_shape(weights, "weights", {cfg.N, cfg.Hq, cfg.L, cfg.S});
+  if (average_heads)
+    expect_shape(weights, "weights", {cfg.N, cfg.L, cfg.S});
+  else
+    expect_shape(weights, "weights", {cfg.N, cfg.Hq, cfg.L, cfg.S});
   const T* lse_p = contiguous_ptr<T>(lse, "logsumexp", false);
   T* w = contiguous_ptr<T>(weights, "weights", true);
   py::gil_scoped_release release;
-  sdpa_weights<T>(w, lse_p, qv, kv, cfg);
+  sdpa_weights<T>(w, lse_p, qv, kv, cfg, average_heads);
 }
 
 template <typename T>
@@ -281,13 +284,18 @@ PYBIND11_MODULE(_core, m) {
                                                   dropout_p, seed);
     });
   });
-  m.def("sdpa_weights", [](const py::array& weights, const py::array& lse, const py::array& q, const py::array& k,
-                           const std::vector<MaskArg>& masks, double scale, int causal, double dropout_p,
-                           uint64_t seed) {
-    dispatch(q, "query", [&](auto t) {
-      sdpa_weights_t<typename decltype(t)::type>(weights, lse, q, k, masks, scale, causal, dropout_p, seed);
-    });
-  });
+  m.def(
+      "sdpa_weights",
+      [](const py::array& weights, const py::array& lse, const py::array& q, const py::array& k,
+         const std::vector<MaskArg>& masks, double scale, int causal, double dropout_p, uint64_t seed,
+         bool average_heads) {
+        dispatch(q, "query", [&](auto t) {
+          sdpa_weights_t<typename decltype(t)::type>(weights, lse, q, k, masks, scale, causal, dropout_p, seed,
+                                                     average_heads);
+        });
+      },
+      py::arg("weights"), py::arg("logsumexp"), py::arg("query"), py::arg("key"), py::arg("masks"),
+      py::arg("scale"), py::arg("causal"), py::arg("dropout_p"), py::arg("seed"), py::arg("average_heads") = false);
   m.def("linear_forward", [](const py::array& y, const py::array& x, const py::array& w, const py::object& b) {
     dispatch(x, "input", [&](auto t) { linear_forward_t<typename decltype(t)::type>(y, x, w, b); });
   });

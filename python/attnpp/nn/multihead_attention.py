@@ -221,11 +221,9 @@ class MultiheadAttention(Module):
         _core.sdpa_forward(o4, lse, q4, k4, v4, *core_args)
         y = self.out_proj(out)
         weights = None
-        if need_weights:
-            weights = np.empty(full, dt)
-            _core.sdpa_weights(weights, lse, q4, k4, *core_args)
-            if average_attn_weights:
-                weights = weights.mean(axis=1)
+        if need_weights:  # the mean over heads is taken in the core, without the (B, H, L, S) weights
+            weights = np.empty((B, L, S_all) if average_attn_weights else full, dt)
+            _core.sdpa_weights(weights, lse, q4, k4, *core_args, average_heads=average_attn_weights)
         self._ctx = dict(inputs=(q3, k3, v3), proj=(q, k, v, out), lse=lse, core_args=core_args, bf=bf,
                          batched=batched, S=S, seq_axis=seq_axis, out_shape=y.shape if batched else y.shape[1:])
         if not batched:
