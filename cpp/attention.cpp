@@ -6,8 +6,6 @@
 
 #include <algorithm>
 
-#include <omp.h>
-
 #include "gemm.hpp"
 
 namespace attnpp {
@@ -106,52 +104,50 @@ void sdpa_forward(const View4<T>& out, T* logsumexp, const View4<const T>& q, co
                   const View4<const T>& v, const AttnConfig<T>& cfg) {
   const int64_t q_blocks = num_blocks(cfg.L, kBlockL);
   const auto kt = transpose_heads(k, cfg.N, cfg.Hk, cfg.S, cfg.D);  // (N, Hk, D, S)
-#pragma omp parallel if (worth_threads(cfg.work()))
-  {
-    RowMat<T> s_blk, acc;                       // (Br, Bc) scores then weights; (Br, Dv) running output
-    Eigen::Matrix<T, Eigen::Dynamic, 1> m, l;   // (Br) running max and running sum
-#pragma omp for collapse(3) schedule(dynamic)
-    for (int64_t n = 0; n < cfg.N; ++n)
-      for (int64_t h = 0; h < cfg.Hq; ++h)
-        for (int64_t qb = 0; qb < q_blocks; ++qb) {
-          const int64_t hk = h / cfg.group(), i0 = qb * kBlockL, rows = std::min(kBlockL, cfg.L - i0);
-          const T* kt_h = kt.get() + (n * cfg.Hk + hk) * cfg.D * cfg.S;
-          acc.setZero(rows, cfg.Dv);
-          m.setConstant(rows, neg_inf<T>());
-          l.setZero(rows);
-          const int64_t k_blocks = key_blocks_for(cfg, i0, rows);
-          for (int64_t kb = 0; kb < k_blocks; ++kb) {
-            const int64_t j0 = kb * kBlockS, cols = visible_cols(cfg, i0, rows, j0);
-            if (!score_block(s_blk, q.at(n, h, i0), q.row, kt_h, rows, cols, cfg, n, h, i0, j0)) continue;
-            for (int64_t r = 0; r < rows; ++r) {
-              const T m_new = std::max(m(r), s_blk.row(r).maxCoeff());
-              if (m_new == neg_inf<T>()) {  // nothing visible yet in this row
-                s_blk.row(r).setZero();
-                continue;
-              }
-              const T alpha = std::exp(m(r) - m_new);  // rescales what was summed under the old max
-              l(r) = l(r) * alpha + exp_shifted(&s_blk(r, 0), cols, m_new);
-              acc.row(r) *= alpha;
-              m(r) = m_new;
-            }
-            if (cfg.dropout_p > 0) apply_dropout(s_blk, cfg, n, h, i0, j0);
-            // acc += p v_blk
-            gemm(acc.data(), cfg.Dv, s_blk.data(), cols, int64_t(1), v.at(n, hk, j0), v.row, rows, cfg.Dv, cols,
-                 T(1), true);
-          }
-          auto o_blk = MapRows<T>(out.at(n, h, i0), rows, cfg.Dv, Eigen::OuterStride<>(out.row));
-          T* lse = logsumexp + (n * cfg.Hq + h) * cfg.L + i0;
+  parallel_for(
+      cfg.N * cfg.Hq * q_blocks, cfg.work(),
+      [&](int64_t task) {
+        const int64_t n = task / (cfg.Hq * q_blocks), h = task / q_blocks % cfg.Hq, qb = task % q_blocks;
+        thread_local RowMat<T> s_blk, acc;                      // (Br, Bc) scores then weights; (Br, Dv) output
+        thread_local Eigen::Matrix<T, Eigen::Dynamic, 1> m, l;  // (Br) running max and running sum
+        const int64_t hk = h / cfg.group(), i0 = qb * kBlockL, rows = std::min(kBlockL, cfg.L - i0);
+        const T* kt_h = kt.get() + (n * cfg.Hk + hk) * cfg.D * cfg.S;
+        acc.setZero(rows, cfg.Dv);
+        m.setConstant(rows, neg_inf<T>());
+        l.setZero(rows);
+        const int64_t k_blocks = key_blocks_for(cfg, i0, rows);
+        for (int64_t kb = 0; kb < k_blocks; ++kb) {
+          const int64_t j0 = kb * kBlockS, cols = visible_cols(cfg, i0, rows, j0);
+          if (!score_block(s_blk, q.at(n, h, i0), q.row, kt_h, rows, cols, cfg, n, h, i0, j0)) continue;
           for (int64_t r = 0; r < rows; ++r) {
-            if (l(r) > 0) {
-              o_blk.row(r) = acc.row(r) / l(r);
-              lse[r] = m(r) + std::log(l(r));
-            } else {  // fully masked row: output 0, never NaN
-              o_blk.row(r).setZero();
-              lse[r] = neg_inf<T>();
+            const T m_new = std::max(m(r), s_blk.row(r).maxCoeff());
+            if (m_new == neg_inf<T>()) {  // nothing visible yet in this row
+              s_blk.row(r).setZero();
+              continue;
             }
+            const T alpha = std::exp(m(r) - m_new);  // rescales what was summed under the old max
+            l(r) = l(r) * alpha + exp_shifted(&s_blk(r, 0), cols, m_new);
+            acc.row(r) *= alpha;
+            m(r) = m_new;
+          }
+          if (cfg.dropout_p > 0) apply_dropout(s_blk, cfg, n, h, i0, j0);
+          // acc += p v_blk
+          gemm(acc.data(), cfg.Dv, s_blk.data(), cols, int64_t(1), v.at(n, hk, j0), v.row, rows, cfg.Dv, cols,
+               T(1), true);
+        }
+        auto o_blk = MapRows<T>(out.at(n, h, i0), rows, cfg.Dv, Eigen::OuterStride<>(out.row));
+        T* lse = logsumexp + (n * cfg.Hq + h) * cfg.L + i0;
+        for (int64_t r = 0; r < rows; ++r) {
+          if (l(r) > 0) {
+            o_blk.row(r) = acc.row(r) / l(r);
+            lse[r] = m(r) + std::log(l(r));
+          } else {  // fully masked row: output 0, never NaN
+            o_blk.row(r).setZero();
+            lse[r] = neg_inf<T>();
           }
         }
-  }
+      },
+      true);
 }
 
 template <typename T>
@@ -161,26 +157,25 @@ void sdpa_backward(const View4<T>& dq, const View4<T>& dk, const View4<T>& dv, c
   // delta (N, Hq, L) = rowsum(dout * out): the softmax backward's sum_j P_ij dP_ij, dropout included.
   // Summed in a fixed order (not Eigen's alignment-dependent reduction) so that results are reproducible.
   std::vector<T> delta(cfg.N * cfg.Hq * cfg.L);
-#pragma omp parallel for collapse(2) if (worth_threads(cfg.N * cfg.Hq * cfg.L * cfg.Dv))
-  for (int64_t n = 0; n < cfg.N; ++n)
-    for (int64_t h = 0; h < cfg.Hq; ++h)
-      for (int64_t i = 0; i < cfg.L; ++i) {
-        const T *do_row = dout.at(n, h, i), *o_row = out.at(n, h, i);
-        T sum = 0;
-        for (int64_t c = 0; c < cfg.Dv; ++c) sum += do_row[c] * o_row[c];
-        delta[(n * cfg.Hq + h) * cfg.L + i] = sum;
-      }
+  parallel_for(cfg.N * cfg.Hq, cfg.N * cfg.Hq * cfg.L * cfg.Dv, [&](int64_t nh) {
+    const int64_t n = nh / cfg.Hq, h = nh % cfg.Hq;
+    for (int64_t i = 0; i < cfg.L; ++i) {
+      const T *do_row = dout.at(n, h, i), *o_row = out.at(n, h, i);
+      T sum = 0;
+      for (int64_t c = 0; c < cfg.Dv; ++c) sum += do_row[c] * o_row[c];
+      delta[nh * cfg.L + i] = sum;
+    }
+  });
   const auto kt = transpose_heads(k, cfg.N, cfg.Hk, cfg.S, cfg.D);   // (N, Hk, D, S)
   const auto vt = transpose_heads(v, cfg.N, cfg.Hk, cfg.S, cfg.Dv);  // (N, Hk, Dv, S)
   const int64_t k_blocks = num_blocks(cfg.S, kBlockS), q_blocks = num_blocks(cfg.L, kBlockL);
   // One thread owns a (n, key/value head) pair: it alone writes that pair's dk, dv and, since each query
   // head belongs to one key/value head, its query heads' dq.
-#pragma omp parallel if (worth_threads(cfg.work()))
-  {
-    RowMat<T> p_blk, dp_blk, pd_blk;  // (Br, Bc)
-#pragma omp for collapse(2) schedule(dynamic)
-    for (int64_t n = 0; n < cfg.N; ++n)
-      for (int64_t hk = 0; hk < cfg.Hk; ++hk)
+  parallel_for(
+      cfg.N * cfg.Hk, cfg.work(),
+      [&](int64_t task) {
+        const int64_t n = task / cfg.Hk, hk = task % cfg.Hk;
+        thread_local RowMat<T> p_blk, dp_blk, pd_blk;  // (Br, Bc)
         for (int64_t kb = 0; kb < k_blocks; ++kb) {
           const int64_t j0 = kb * kBlockS;
           const T* kt_h = kt.get() + (n * cfg.Hk + hk) * cfg.D * cfg.S;
@@ -220,7 +215,8 @@ void sdpa_backward(const View4<T>& dq, const View4<T>& dk, const View4<T>& dv, c
                    cfg.scale, true);
             }
         }
-  }
+      },
+      true);
 }
 
 template <typename T>
@@ -228,31 +224,29 @@ void sdpa_weights(T* weights, const T* logsumexp, const View4<const T>& q, const
                   const AttnConfig<T>& cfg, bool average_heads) {
   const int64_t q_blocks = num_blocks(cfg.L, kBlockL), heads_out = average_heads ? 1 : cfg.Hq;
   const auto kt = transpose_heads(k, cfg.N, cfg.Hk, cfg.S, cfg.D);  // (N, Hk, D, S)
-#pragma omp parallel if (worth_threads(cfg.work()))
-  {
-    RowMat<T> p_blk;
-#pragma omp for collapse(3) schedule(dynamic)
-    for (int64_t n = 0; n < cfg.N; ++n)
-      for (int64_t ho = 0; ho < heads_out; ++ho)
-        for (int64_t qb = 0; qb < q_blocks; ++qb) {
-          const int64_t i0 = qb * kBlockL, rows = std::min(kBlockL, cfg.L - i0);
-          auto w = MapRows<T>(weights + ((n * heads_out + ho) * cfg.L + i0) * cfg.S, rows, cfg.S,
-                              Eigen::OuterStride<>(cfg.S));
-          // one head, or all of them summed in order (then divided by Hq, as PyTorch's mean over heads)
-          const int64_t h_begin = average_heads ? 0 : ho, h_end = average_heads ? cfg.Hq : ho + 1;
-          for (int64_t h = h_begin; h < h_end; ++h) {
-            const T* kt_h = kt.get() + (n * cfg.Hk + h / cfg.group()) * cfg.D * cfg.S;
-            score_block(p_blk, q.at(n, h, i0), q.row, kt_h, rows, cfg.S, cfg, n, h, i0, 0);
-            probs_from_lse(p_blk, logsumexp + (n * cfg.Hq + h) * cfg.L + i0);
-            if (cfg.dropout_p > 0) apply_dropout(p_blk, cfg, n, h, i0, 0);
-            if (h == h_begin)
-              w = p_blk;
-            else
-              w += p_blk;
-          }
-          if (average_heads) w /= T(cfg.Hq);
+  parallel_for(
+      cfg.N * heads_out * q_blocks, cfg.work(),
+      [&](int64_t task) {
+        const int64_t n = task / (heads_out * q_blocks), ho = task / q_blocks % heads_out, qb = task % q_blocks;
+        thread_local RowMat<T> p_blk;
+        const int64_t i0 = qb * kBlockL, rows = std::min(kBlockL, cfg.L - i0);
+        auto w = MapRows<T>(weights + ((n * heads_out + ho) * cfg.L + i0) * cfg.S, rows, cfg.S,
+                            Eigen::OuterStride<>(cfg.S));
+        // one head, or all of them summed in order (then divided by Hq, as PyTorch's mean over heads)
+        const int64_t h_begin = average_heads ? 0 : ho, h_end = average_heads ? cfg.Hq : ho + 1;
+        for (int64_t h = h_begin; h < h_end; ++h) {
+          const T* kt_h = kt.get() + (n * cfg.Hk + h / cfg.group()) * cfg.D * cfg.S;
+          score_block(p_blk, q.at(n, h, i0), q.row, kt_h, rows, cfg.S, cfg, n, h, i0, 0);
+          probs_from_lse(p_blk, logsumexp + (n * cfg.Hq + h) * cfg.L + i0);
+          if (cfg.dropout_p > 0) apply_dropout(p_blk, cfg, n, h, i0, 0);
+          if (h == h_begin)
+            w = p_blk;
+          else
+            w += p_blk;
         }
-  }
+        if (average_heads) w /= T(cfg.Hq);
+      },
+      true);
 }
 
 #define ATTNPP_INSTANTIATE(T)                                                                                  \

@@ -41,6 +41,21 @@ struct MaskView {
 // costs microseconds (tens when the threads have gone to sleep), as much as the whole of a small layer's call.
 inline bool worth_threads(int64_t work) { return work >= (int64_t(1) << 17); }
 
+// body(i) for i in [0, n): on the OpenMP threads when `work` is worth it, else in a plain loop (an OpenMP region
+// with a false `if` still sets up a team, about a microsecond). dynamic: tasks of uneven cost.
+template <typename F>
+void parallel_for(int64_t n, int64_t work, F&& body, bool dynamic = false) {
+  if (!worth_threads(work)) {
+    for (int64_t i = 0; i < n; ++i) body(i);
+  } else if (dynamic) {
+#pragma omp parallel for schedule(dynamic)
+    for (int64_t i = 0; i < n; ++i) body(i);
+  } else {
+#pragma omp parallel for schedule(static)
+    for (int64_t i = 0; i < n; ++i) body(i);
+  }
+}
+
 enum class Causal : int { none = 0, top_left = 1, bottom_right = 2 };
 
 // Everything that defines one attention problem besides its buffers.

@@ -123,15 +123,14 @@ template <typename T>
 std::unique_ptr<T[]> transpose_heads(const View4<const T>& a, int64_t N, int64_t H, int64_t rows, int64_t cols) {
   std::unique_ptr<T[]> t(new T[N * H * rows * cols]);
   constexpr int64_t kTile = 32;
-#pragma omp parallel for collapse(2) schedule(static) if (worth_threads(N * H * rows * cols))
-  for (int64_t nh = 0; nh < N * H; ++nh)
-    for (int64_t r0 = 0; r0 < rows; r0 += kTile) {
-      const T* src = a.at(nh / H, nh % H, 0);
-      T* dst = t.get() + nh * rows * cols;
-      const int64_t r1 = std::min(rows, r0 + kTile);
-      for (int64_t c = 0; c < cols; ++c)
-        for (int64_t r = r0; r < r1; ++r) dst[c * rows + r] = src[r * a.row + c];
-    }
+  const int64_t tiles = (rows + kTile - 1) / kTile;
+  parallel_for(N * H * tiles, N * H * rows * cols, [&](int64_t task) {
+    const int64_t nh = task / tiles, r0 = task % tiles * kTile, r1 = std::min(rows, r0 + kTile);
+    const T* src = a.at(nh / H, nh % H, 0);
+    T* dst = t.get() + nh * rows * cols;
+    for (int64_t c = 0; c < cols; ++c)
+      for (int64_t r = r0; r < r1; ++r) dst[c * rows + r] = src[r * a.row + c];
+  });
   return t;
 }
 
@@ -150,32 +149,35 @@ inline T dot(const T* a, const T* b, int64_t n) {
       std::memcpy(&y, b + k + u * W, sizeof(V));
       acc[u] += x * y;
     }
-  const V v = (acc[0] + acc[1]) + (acc[2] + acc[3]);
   T sum = 0;
-  for (int l = 0; l < W; ++l) sum += v[l];
+  if (k > 0) {  // (a dot shorter than 4 vectors, like a 3-wide embedding's, skips the lanes)
+    const V v = (acc[0] + acc[1]) + (acc[2] + acc[3]);
+    for (int l = 0; l < W; ++l) sum += v[l];
+  }
   for (; k < n; ++k) sum += a[k] * b[k];
   return sum;
 }
 
 // C (M, N) (+)= A Bt^T, A (M, K) and Bt (N, K) with contiguous rows (row strides lda, ldbt; C's is N): M * N dot
-// products along k. For outputs narrower than one vector, where the tiled kernel would run scalar loops. k runs in
-// slices of kKC so that the slice of Bt stays in cache while every row of A passes over it; each thread keeps the
-// same rows of C for every slice (static schedule), so each element is summed by one thread, slice after slice.
+// products along k. For outputs narrower than one vector, where the tiled kernel would run scalar loops. A task
+// is a few rows of C; it walks k in slices of kKC so that the slice of Bt stays in cache for all its rows. Each
+// element is summed by one task, slice after slice: the result does not depend on the thread count.
 template <typename T>
 void dot_products(T* C, const T* A, int64_t lda, const T* Bt, int64_t ldbt, int64_t M, int64_t N, int64_t K,
                   bool accumulate) {
-  constexpr int64_t kKC = 2048;
+  constexpr int64_t kRows = 4, kKC = 2048;
   const int64_t k_slices = std::max<int64_t>(1, (K + kKC - 1) / kKC);  // one (empty) slice when K = 0
-#pragma omp parallel if (worth_threads(M * N * K))
-  for (int64_t s = 0; s < k_slices; ++s) {
-    const int64_t k0 = s * kKC, kc = std::min(kKC, K - k0);
-#pragma omp for schedule(static) nowait
-    for (int64_t i = 0; i < M; ++i)
-      for (int64_t j = 0; j < N; ++j) {
-        const T d = dot(A + i * lda + k0, Bt + j * ldbt + k0, kc);
-        C[i * N + j] = accumulate || s > 0 ? C[i * N + j] + d : d;
-      }
-  }
+  parallel_for((M + kRows - 1) / kRows, M * N * K, [&](int64_t task) {
+    const int64_t i0 = task * kRows, i1 = std::min(M, i0 + kRows);
+    for (int64_t s = 0; s < k_slices; ++s) {
+      const int64_t k0 = s * kKC, kc = std::min(kKC, K - k0);
+      for (int64_t i = i0; i < i1; ++i)
+        for (int64_t j = 0; j < N; ++j) {
+          const T d = dot(A + i * lda + k0, Bt + j * ldbt + k0, kc);
+          C[i * N + j] = accumulate || s > 0 ? C[i * N + j] + d : d;
+        }
+    }
+  });
 }
 
 // The same product for large operands (the projections): cut into blocks of (kMC, kNC) elements of C, run in
@@ -187,16 +189,18 @@ void gemm_parallel(T* C, int64_t ldc, const T* A, int64_t ars, int64_t acs, cons
   constexpr int64_t kMC = 120, kNC = 256, kKC = 256;
   const int64_t m_blocks = (M + kMC - 1) / kMC, n_blocks = (N + kNC - 1) / kNC;
   const int64_t k_slices = std::max<int64_t>(1, (K + kKC - 1) / kKC);  // one (empty) slice when K = 0 zeroes C
-#pragma omp parallel for collapse(2) schedule(dynamic) if (worth_threads(M * N * K))
-  for (int64_t mb = 0; mb < m_blocks; ++mb)
-    for (int64_t nb = 0; nb < n_blocks; ++nb) {
-      const int64_t i0 = mb * kMC, j0 = nb * kNC, rows = std::min(kMC, M - i0), cols = std::min(kNC, N - j0);
-      for (int64_t s = 0; s < k_slices; ++s) {
-        const int64_t k0 = s * kKC;
-        gemm(C + i0 * ldc + j0, ldc, A + i0 * ars + k0 * acs, ars, acs, B + k0 * ldb + j0, ldb, rows, cols,
-             std::min(kKC, K - k0), alpha, accumulate || s > 0);
-      }
-    }
+  parallel_for(
+      m_blocks * n_blocks, M * N * K,
+      [&](int64_t block) {
+        const int64_t i0 = block / n_blocks * kMC, j0 = block % n_blocks * kNC;
+        const int64_t rows = std::min(kMC, M - i0), cols = std::min(kNC, N - j0);
+        for (int64_t s = 0; s < k_slices; ++s) {
+          const int64_t k0 = s * kKC;
+          gemm(C + i0 * ldc + j0, ldc, A + i0 * ars + k0 * acs, ars, acs, B + k0 * ldb + j0, ldb, rows, cols,
+               std::min(kKC, K - k0), alpha, accumulate || s > 0);
+        }
+      },
+      true);
 }
 
 }  // namespace attnpp
