@@ -5,10 +5,12 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <limits>
 #include <memory>
 #include <string>
 
 #include "attention.hpp"
+#include "buffer_pool.hpp"
 #include "linear.hpp"
 #include "training.hpp"
 
@@ -304,6 +306,20 @@ PYBIND11_MODULE(_core, m) {
     dispatch(x, "input", [&](auto t) { linear_backward_t<typename decltype(t)::type>(dx, dw, db, dy, x, w); });
   });
 
+  m.def(
+      "empty",
+      [](const std::vector<py::ssize_t>& shape, const py::dtype& dtype) {
+        std::size_t bytes = dtype.itemsize();
+        for (const auto s : shape) {
+          if (s < 0) throw py::value_error("empty: negative dimension in shape");
+          if (s != 0 && bytes > std::numeric_limits<std::size_t>::max() / std::size_t(s)) throw std::bad_alloc();
+          bytes *= std::size_t(s);
+        }
+        void* data = pool_acquire(bytes);
+        py::capsule owner(data, [](void* p) { pool_release(p); });
+        return py::array(dtype, shape, data, owner);
+      },
+      py::arg("shape"), py::arg("dtype"));
   m.def("dropout_mask", [](std::vector<py::ssize_t> shape, double p, uint64_t seed) {
     py::array_t<bool> keep(shape);
     bool* ptr = keep.mutable_data();

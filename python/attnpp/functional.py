@@ -27,6 +27,18 @@ _FLOATS = (np.dtype(np.float32), np.dtype(np.float64))
 _CAUSAL = {"top_left": 1, "bottom_right": 2}
 
 
+_POOLED_BYTES = 1 << 20  # outputs at least this large come from the core's recycled buffers
+
+
+def _empty(shape, dtype):
+    """``np.empty``, from the core's pool of recycled blocks when large (see cpp/buffer_pool.hpp: fresh memory
+    costs a page fault per 4 KiB, which dominated a training step that allocates its logits anew each time)."""
+    dtype = np.dtype(dtype)
+    if math.prod(shape) * dtype.itemsize < _POOLED_BYTES:
+        return np.empty(shape, dtype)
+    return _core.empty(list(shape), dtype)
+
+
 # ----------------------------------------------------------------------------------------------- validation
 def check_array(x, name, ndim=None, min_ndim=None, dtype=None):
     """``x`` as an ndarray of float32 or float64 (and of ``dtype`` when given), else TypeError/ValueError.
@@ -390,7 +402,7 @@ def linear(input, weight, bias=None):
 def _linear(input, weight, bias):
     """``linear`` without the checks, for layers that have made them."""
     x2 = np.ascontiguousarray(input).reshape(-1, input.shape[-1])
-    out = np.empty((x2.shape[0], weight.shape[0]), input.dtype)
+    out = _empty((x2.shape[0], weight.shape[0]), input.dtype)
     _core.linear_forward(out, x2, np.ascontiguousarray(weight),
                          None if bias is None else np.ascontiguousarray(bias))
     return out.reshape(input.shape[:-1] + (weight.shape[0],))
@@ -568,6 +580,6 @@ def cross_entropy_backward(grad_output, input, target, stats, ignore_index=-100,
         row_weight = g * kept
     else:
         row_weight = g * kept / max(kept.sum(), 1)
-    grad = np.empty_like(logits)
+    grad = _empty(logits.shape, logits.dtype)
     _core.cross_entropy_backward(grad, np.ascontiguousarray(row_weight, dtype=logits.dtype), stats, logits, tgt)
     return grad.reshape(input.shape)

@@ -1,0 +1,53 @@
+#include "buffer_pool.hpp"
+
+#include <cstdlib>
+#include <mutex>
+#include <new>
+#include <unordered_map>
+
+namespace attnpp {
+namespace {
+
+constexpr std::size_t kHeader = 64;                    // holds the block's size; keeps the data 64-byte aligned
+constexpr std::size_t kPoolBytes = std::size_t(256) << 20;  // most memory kept for reuse
+
+std::mutex pool_mutex;
+std::unordered_multimap<std::size_t, char*> free_blocks;  // size -> block (header included)
+std::size_t held_bytes = 0;
+
+}  // namespace
+
+void* pool_acquire(std::size_t bytes) {
+  {
+    std::lock_guard<std::mutex> lock(pool_mutex);
+    const auto it = free_blocks.find(bytes);
+    if (it != free_blocks.end()) {
+      char* block = it->second;
+      free_blocks.erase(it);
+      held_bytes -= bytes;
+      return block + kHeader;
+    }
+  }
+  const std::size_t total = (kHeader + bytes + 63) / 64 * 64;
+  if (total < bytes) throw std::bad_alloc();  // overflow
+  char* block = static_cast<char*>(std::aligned_alloc(64, total));
+  if (block == nullptr) throw std::bad_alloc();
+  *reinterpret_cast<std::size_t*>(block) = bytes;
+  return block + kHeader;
+}
+
+void pool_release(void* data) {
+  char* block = static_cast<char*>(data) - kHeader;
+  const std::size_t bytes = *reinterpret_cast<std::size_t*>(block);
+  {
+    std::lock_guard<std::mutex> lock(pool_mutex);
+    if (held_bytes + bytes <= kPoolBytes) {
+      free_blocks.emplace(bytes, block);
+      held_bytes += bytes;
+      return;
+    }
+  }
+  std::free(block);
+}
+
+}  // namespace attnpp
