@@ -39,6 +39,13 @@ def _empty(shape, dtype):
     return _core.empty(list(shape), dtype)
 
 
+def _zeros(shape, dtype):
+    """``np.zeros`` on ``_empty``'s recycled blocks (np.zeros maps fresh zero pages, faulted in one by one)."""
+    out = _empty(shape, dtype)
+    out.fill(0)
+    return out
+
+
 # ----------------------------------------------------------------------------------------------- validation
 def check_array(x, name, ndim=None, min_ndim=None, dtype=None):
     """``x`` as an ndarray of float32 or float64 (and of ``dtype`` when given), else TypeError/ValueError.
@@ -250,7 +257,7 @@ def scaled_dot_product_attention_forward(query, key, value, attn_mask=None, drop
                                          scale=None, enable_gqa=False, *, seed=None,
                                          causal_alignment="top_left"):
     p = _Problem(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, seed, causal_alignment)
-    out = np.empty((p.N, p.Hq, p.L, p.Dv), p.dtype)
+    out = _empty((p.N, p.Hq, p.L, p.Dv), p.dtype)
     lse = np.empty((p.N, p.Hq, p.L), p.dtype)
     _core.sdpa_forward(out, lse, p.q4, p.k4, p.v4, *p.core_args())
     return out.reshape(p.out_shape(p.L, p.Dv)), lse.reshape(p.out_shape(p.L))
@@ -296,9 +303,9 @@ def scaled_dot_product_attention_backward(grad_output, query, key, value, output
         if arr.shape != shape:
             raise ValueError(f"{name}: expected shape {shape}, got {arr.shape}")
     four = lambda a, tail: np.ascontiguousarray(a).reshape((p.N, p.Hq) + tail)
-    dq = np.zeros((p.N, p.Hq, p.L, p.D), p.dtype)
-    dk = np.zeros((p.N, p.Hk, p.S, p.D), p.dtype)
-    dv = np.zeros((p.N, p.Hk, p.S, p.Dv), p.dtype)
+    dq = _zeros((p.N, p.Hq, p.L, p.D), p.dtype)
+    dk = _zeros((p.N, p.Hk, p.S, p.D), p.dtype)
+    dv = _zeros((p.N, p.Hk, p.S, p.Dv), p.dtype)
     _core.sdpa_backward(dq, dk, dv, four(grad_output, (p.L, p.Dv)), four(output, (p.L, p.Dv)),
                         four(logsumexp, (p.L,)), p.q4, p.k4, p.v4, *p.core_args())
     return p.reduce_to(dq, query), p.reduce_to(dk, key), p.reduce_to(dv, value)
@@ -335,7 +342,7 @@ def scaled_dot_product_attention_weights(query, key, attn_mask=None, dropout_p=0
         if logsumexp.shape != p.out_shape(p.L):
             raise ValueError(f"logsumexp: expected shape {p.out_shape(p.L)}, got {logsumexp.shape}")
         lse = np.ascontiguousarray(logsumexp).reshape(p.N, p.Hq, p.L)
-    weights = np.empty((p.N, p.Hq, p.L, p.S), p.dtype)
+    weights = _empty((p.N, p.Hq, p.L, p.S), p.dtype)
     _core.sdpa_weights(weights, lse, p.q4, p.k4, *p.core_args())
     return weights.reshape(p.out_shape(p.L, p.S))
 
@@ -414,7 +421,7 @@ def linear_backward(grad_output, input, weight, grad_weight, grad_bias=None, nee
     """
     x2 = np.ascontiguousarray(input).reshape(-1, input.shape[-1])
     dy = np.ascontiguousarray(grad_output).reshape(x2.shape[0], weight.shape[0])
-    dx = np.zeros_like(x2) if need_input_grad else None
+    dx = _zeros(x2.shape, x2.dtype) if need_input_grad else None
     _core.linear_backward(dx, grad_weight, grad_bias, dy, x2, np.ascontiguousarray(weight))
     return None if dx is None else dx.reshape(input.shape)
 
@@ -441,7 +448,7 @@ def dropout(input, p=0.5, training=True, *, seed=None):
     p = check_probability(p, "p")
     if not training or p == 0.0:
         return input
-    out = np.empty(input.shape, input.dtype)
+    out = _empty(input.shape, input.dtype)
     _core.dropout_forward(out, np.ascontiguousarray(input), p, check_seed(seed))
     return out
 
@@ -450,7 +457,7 @@ def dropout_backward(grad_output, p, seed):
     """Gradient of ``dropout`` for the same ``p`` and ``seed``: grad_output * mask / (1 - p)."""
     check_array(grad_output, "grad_output")
     p = check_probability(p, "p")
-    grad = np.zeros(grad_output.shape, grad_output.dtype)
+    grad = _zeros(grad_output.shape, grad_output.dtype)
     if p == 0.0:
         return grad + grad_output
     _core.dropout_backward(grad, np.ascontiguousarray(grad_output), p, check_seed(seed))

@@ -155,7 +155,7 @@ class Attention(Module):
         core_args = (masks, self.scale, self._causal_code, p, base_seed if p > 0 else 0)
 
         q, k, v = self.q_proj(x3), self.k_proj(c3), self.v_proj(c3)
-        attn = np.empty((B, L, self.v_dim), self.dtype)
+        attn = F._empty((B, L, self.v_dim), self.dtype)
         lse = np.empty((B, H, L), self.dtype)
         _core.sdpa_forward(self._heads(attn), lse, self._heads(q), self._heads(k), self._heads(v), *core_args)
         y = attn if self.out_proj is None else self.out_proj(attn)
@@ -165,7 +165,7 @@ class Attention(Module):
         out = y if batched else y[0]
         if not need_weights:
             return out
-        weights = np.empty((B, H, L, S), self.dtype)
+        weights = F._empty((B, H, L, S), self.dtype)
         _core.sdpa_weights(weights, lse, self._heads(q), self._heads(k), *core_args)
         return out, (weights if batched else weights[0])
 
@@ -189,7 +189,7 @@ class Attention(Module):
         g = self.out_drop.backward(grad_output if ctx["batched"] else grad_output[None])
         d_attn = g if self.out_proj is None else self.out_proj.backward(g)
         q, k, v = ctx["qkv"]
-        dq, dk, dv = np.zeros_like(q), np.zeros_like(k), np.zeros_like(v)
+        dq, dk, dv = (F._zeros(t.shape, t.dtype) for t in (q, k, v))
         _core.sdpa_backward(*(self._heads(t) for t in (dq, dk, dv, np.ascontiguousarray(d_attn), ctx["attn"])),
                             ctx["lse"], *(self._heads(t) for t in (q, k, v)), *ctx["core_args"])
         grad_x = self.q_proj.backward(dq)

@@ -215,14 +215,14 @@ class MultiheadAttention(Module):
         seed = check_seed(seed) if p > 0 else 0
         self.last_seed = seed if p > 0 else None
         core_args = (masks, 1.0 / math.sqrt(self.head_dim), causal, p, seed)
-        out = np.empty_like(q)
+        out = F._empty(q.shape, q.dtype)
         lse = np.empty((B, H, L), dt)
         q4, k4, v4, o4 = (self._heads(x, bf) for x in (q, k, v, out))
         _core.sdpa_forward(o4, lse, q4, k4, v4, *core_args)
         y = self.out_proj(out)
         weights = None
         if need_weights:  # the mean over heads is taken in the core, without the (B, H, L, S) weights
-            weights = np.empty((B, L, S_all) if average_attn_weights else full, dt)
+            weights = F._empty((B, L, S_all) if average_attn_weights else full, dt)
             _core.sdpa_weights(weights, lse, q4, k4, *core_args, average_heads=average_attn_weights)
         self._ctx = dict(inputs=(q3, k3, v3), proj=(q, k, v, out), lse=lse, core_args=core_args, bf=bf,
                          batched=batched, S=S, seq_axis=seq_axis, out_shape=y.shape if batched else y.shape[1:])
@@ -252,7 +252,7 @@ class MultiheadAttention(Module):
         q, k, v, out = ctx["proj"]
         bf = ctx["bf"]
         d_out = self.out_proj.backward(grad_output if ctx["batched"] else grad_output[None])
-        dq, dk, dv = np.zeros_like(q), np.zeros_like(k), np.zeros_like(v)
+        dq, dk, dv = (F._zeros(t.shape, t.dtype) for t in (q, k, v))
         _core.sdpa_backward(*(self._heads(x, bf) for x in (dq, dk, dv, d_out, out)), ctx["lse"],
                             *(self._heads(x, bf) for x in (q, k, v)), *ctx["core_args"])
         S, axis = ctx["S"], ctx["seq_axis"]
