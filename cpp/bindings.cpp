@@ -320,6 +320,7 @@ PYBIND11_MODULE(_core, m) {
         return py::array(dtype, shape, data, owner);
       },
       py::arg("shape"), py::arg("dtype"));
+  m.def("empty_cache", &pool_empty);
   m.def("dropout_mask", [](std::vector<py::ssize_t> shape, double p, uint64_t seed) {
     py::array_t<bool> keep(shape);
     bool* ptr = keep.mutable_data();

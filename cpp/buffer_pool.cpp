@@ -50,4 +50,13 @@ void pool_release(void* data) {
   std::free(block);
 }
 
+std::size_t pool_empty() {
+  std::lock_guard<std::mutex> lock(pool_mutex);
+  for (const auto& entry : free_blocks) std::free(entry.second);
+  free_blocks.clear();
+  const std::size_t freed = held_bytes;
+  held_bytes = 0;
+  return freed;
+}
+
 }  // namespace attnpp

@@ -17,4 +17,7 @@ void* pool_acquire(std::size_t bytes);
 // Gives back a block from pool_acquire.
 void pool_release(void* block);
 
+// Frees every block kept for reuse; returns their bytes.
+std::size_t pool_empty();
+
 }  // namespace attnpp

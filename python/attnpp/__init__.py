@@ -5,7 +5,18 @@ checked against PyTorch. See ``attnpp.functional`` (stateless functions) and ``a
 """
 from ._core import get_num_threads, set_num_threads
 from ._seeds import manual_seed
-from . import functional, nn, optim
+from . import _core, functional, nn, optim
 
-__all__ = ["functional", "nn", "optim", "manual_seed", "set_num_threads", "get_num_threads"]
+
+def empty_cache():
+    """Free the memory attnpp keeps for reuse; returns its size in bytes.
+
+    Large outputs and gradients (1 MiB and more) come from blocks recycled when their arrays are freed (up to
+    256 MiB in all), so that a training loop does not fault in fresh pages at every step. Arrays still alive
+    are not affected. Like ``torch.cuda.empty_cache``, for when that memory is wanted elsewhere.
+    """
+    return _core.empty_cache()
+
+
+__all__ = ["functional", "nn", "optim", "manual_seed", "set_num_threads", "get_num_threads", "empty_cache"]
 __version__ = "0.1.0"
