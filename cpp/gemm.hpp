@@ -1,9 +1,12 @@
-// The dense products of the attention blocks: C (M, N) (+)= alpha * A (M, K) B (K, N), where B's rows are
-// contiguous and A has any strides (so A may be a transposed view). A register-tiled micro-kernel without
-// packing: each step of k broadcasts one element from each of MR rows of A and multiplies it into NV vectors of
-// one row of B. On the attention blocks (N and K of 64 to 128, everything in L1/L2) this runs at about 1.4 times
-// Eigen's packed GEMM, whose packing of both operands is not amortized at these sizes. The summation order over
-// k is fixed, so results do not depend on the buffers' alignment or on the thread count.
+// The dense products of the core, and the transposes they need.
+//
+// gemm: C (M, N) (+)= alpha * A (M, K) B (K, N), where B's rows are contiguous and A has any strides (so A may be
+// a transposed view). A register-tiled micro-kernel without packing: each step of k broadcasts one element from
+// each of MR rows of A and multiplies it into NV vectors of one row of B. On the attention blocks (N and K of 64
+// to 128, everything in L1/L2) it runs at about 1.4 times Eigen's packed GEMM, whose packing of both operands is
+// not amortized at these sizes. gemm_parallel: the same, blocked for the caches and spread over the threads, for
+// the projections. dot_products: for outputs narrower than one vector. Every element is summed over k in a fixed
+// order by one thread, so results depend neither on the buffers' alignment nor on the thread count.
 #pragma once
 
 #include <algorithm>
