@@ -15,6 +15,15 @@ std::mutex pool_mutex;
 std::unordered_multimap<std::size_t, char*> free_blocks;  // size -> block (header included)
 std::size_t held_bytes = 0;
 
+// (pool_mutex held)
+std::size_t empty_locked() {
+  for (const auto& entry : free_blocks) std::free(entry.second);
+  free_blocks.clear();
+  const std::size_t freed = held_bytes;
+  held_bytes = 0;
+  return freed;
+}
+
 }  // namespace
 
 void* pool_acquire(std::size_t bytes) {
@@ -39,24 +48,20 @@ void* pool_acquire(std::size_t bytes) {
 void pool_release(void* data) {
   char* block = static_cast<char*>(data) - kHeader;
   const std::size_t bytes = *reinterpret_cast<std::size_t*>(block);
-  {
+  if (bytes <= kPoolBytes) {
     std::lock_guard<std::mutex> lock(pool_mutex);
-    if (held_bytes + bytes <= kPoolBytes) {
-      free_blocks.emplace(bytes, block);
-      held_bytes += bytes;
-      return;
-    }
+    // Full: drop what is kept (sizes of an earlier workload, which would otherwise lock out the current one).
+    if (held_bytes + bytes > kPoolBytes) empty_locked();
+    free_blocks.emplace(bytes, block);
+    held_bytes += bytes;
+    return;
   }
   std::free(block);
 }
 
 std::size_t pool_empty() {
   std::lock_guard<std::mutex> lock(pool_mutex);
-  for (const auto& entry : free_blocks) std::free(entry.second);
-  free_blocks.clear();
-  const std::size_t freed = held_bytes;
-  held_bytes = 0;
-  return freed;
+  return empty_locked();
 }
 
 }  // namespace attnpp

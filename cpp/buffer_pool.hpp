@@ -3,7 +3,8 @@
 // Memory fresh from the operating system costs a page fault per 4 KiB page on first touch. Article 001's model
 // allocates its logits and their gradient (4.8 MB each) anew at every training step; through malloc, which hands
 // such blocks back to the system when they are freed, that was about 1,700 page faults per step, most of a 2.5 ms
-// step. Blocks released here are kept (up to 256 MiB in all) and handed out again for a request of the same size.
+// step. Blocks released here are kept (up to 256 MiB in all; when full, what is kept is dropped for the newest)
+// and handed out again for a request of the same size.
 #pragma once
 
 #include <cstddef>

@@ -48,3 +48,15 @@ def test_empty_cache_frees_the_kept_blocks():
 def test_small_arrays_are_plain_numpy():
     small = F._empty((4, 4), np.float32)
     assert small.base is None  # numpy owns it; only large blocks go through the pool
+
+
+def test_a_full_pool_makes_room_for_the_newest_sizes():
+    # 240 MiB of one size kept, then a block of another size: the pool (256 MiB) drops the old ones for it
+    attnpp.empty_cache()
+    big = [F._empty((120 << 20,), np.uint8) for _ in range(2)]
+    del big
+    gc.collect()
+    small = F._empty((32 << 20,), np.uint8)
+    del small
+    gc.collect()
+    assert attnpp.empty_cache() == 32 << 20
