@@ -14,8 +14,6 @@ namespace {
 constexpr int64_t kBlockL = 64;   // query rows per block
 constexpr int64_t kBlockS = 128;  // keys per block
 
-int64_t num_blocks(int64_t n, int64_t b) { return (n + b - 1) / b; }
-
 // scores (rows, cols) = scale * q_blk k_blk^T + masks, with -inf above the causal diagonal; q_blk (rows, D) with
 // row stride ldq, kt = K^T (D, S) of this head, from column j0. Returns false when every score is -inf.
 template <typename T>
@@ -94,7 +92,7 @@ int64_t visible_cols(const AttnConfig<T>& cfg, int64_t i0, int64_t rows, int64_t
 template <typename T>
 int64_t key_blocks_for(const AttnConfig<T>& cfg, int64_t i0, int64_t rows) {
   const int64_t last = cfg.last_key(i0 + rows - 1);
-  return last < 0 ? 0 : num_blocks(last + 1, kBlockS);
+  return last < 0 ? 0 : ceil_div(last + 1, kBlockS);
 }
 
 }  // namespace
@@ -102,7 +100,7 @@ int64_t key_blocks_for(const AttnConfig<T>& cfg, int64_t i0, int64_t rows) {
 template <typename T>
 void sdpa_forward(const View4<T>& out, T* logsumexp, const View4<const T>& q, const View4<const T>& k,
                   const View4<const T>& v, const AttnConfig<T>& cfg) {
-  const int64_t q_blocks = num_blocks(cfg.L, kBlockL);
+  const int64_t q_blocks = ceil_div(cfg.L, kBlockL);
   const auto kt = transpose_heads(k, cfg.N, cfg.Hk, cfg.S, cfg.D);  // (N, Hk, D, S)
   parallel_for(
       cfg.N * cfg.Hq * q_blocks, cfg.work(),
@@ -168,7 +166,7 @@ void sdpa_backward(const View4<T>& dq, const View4<T>& dk, const View4<T>& dv, c
   });
   const auto kt = transpose_heads(k, cfg.N, cfg.Hk, cfg.S, cfg.D);   // (N, Hk, D, S)
   const auto vt = transpose_heads(v, cfg.N, cfg.Hk, cfg.S, cfg.Dv);  // (N, Hk, Dv, S)
-  const int64_t k_blocks = num_blocks(cfg.S, kBlockS), q_blocks = num_blocks(cfg.L, kBlockL);
+  const int64_t k_blocks = ceil_div(cfg.S, kBlockS), q_blocks = ceil_div(cfg.L, kBlockL);
   // One thread owns a (n, key/value head) pair: it alone writes that pair's dk, dv and, since each query
   // head belongs to one key/value head, its query heads' dq.
   parallel_for(
@@ -222,7 +220,7 @@ void sdpa_backward(const View4<T>& dq, const View4<T>& dk, const View4<T>& dv, c
 template <typename T>
 void sdpa_weights(T* weights, const T* logsumexp, const View4<const T>& q, const View4<const T>& k,
                   const AttnConfig<T>& cfg, bool average_heads) {
-  const int64_t q_blocks = num_blocks(cfg.L, kBlockL), heads_out = average_heads ? 1 : cfg.Hq;
+  const int64_t q_blocks = ceil_div(cfg.L, kBlockL), heads_out = average_heads ? 1 : cfg.Hq;
   const auto kt = transpose_heads(k, cfg.N, cfg.Hk, cfg.S, cfg.D);  // (N, Hk, D, S)
   parallel_for(
       cfg.N * heads_out * q_blocks, cfg.work(),

@@ -14,8 +14,6 @@ template <typename T>
 using RowMat = Eigen::Matrix<T, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
 template <typename T>
 using MapRows = Eigen::Map<RowMat<T>, 0, Eigen::OuterStride<>>;  // rows strided, columns contiguous
-template <typename T>
-using MapRowsC = Eigen::Map<const RowMat<T>, 0, Eigen::OuterStride<>>;
 
 // A 4-D array (N, H, rows, cols) whose last dimension is contiguous; strides in elements.
 template <typename T>
@@ -36,6 +34,9 @@ struct MaskView {
     return data[batch_offset[n] + h * h_stride + i * l_stride + j * s_stride];
   }
 };
+
+// The number of blocks of b that cover n.
+inline int64_t ceil_div(int64_t n, int64_t b) { return (n + b - 1) / b; }
 
 // Whether a loop of `work` multiply-adds (or elements) is worth waking the OpenMP threads for: a parallel region
 // costs microseconds (tens when the threads have gone to sleep), as much as the whole of a small layer's call.

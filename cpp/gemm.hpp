@@ -107,10 +107,10 @@ void gemm(T* C, int64_t ldc, const T* A, int64_t ars, int64_t acs, const T* B, i
   using namespace gemm_detail;
   constexpr int W = Vec<T>::width;
   int64_t j = 0;
-  for (; j + W <= N; j += kNV * W) {
+  while (j + W <= N) {  // panels of kNV vectors, the last one possibly narrower
     const int nv = static_cast<int>(std::min<int64_t>(kNV, (N - j) / W));
     panel_vectors<T>(nv, C + j, ldc, A, ars, acs, B + j, ldb, M, K, alpha, accumulate);
-    j += (nv - kNV) * W;  // a short last panel advances by its own width
+    j += nv * W;
   }
   for (int64_t i = 0; i < M; ++i)  // the last N % W columns
     for (int64_t jj = j; jj < N; ++jj) {
@@ -126,7 +126,7 @@ template <typename T>
 std::unique_ptr<T[]> transpose_heads(const View4<const T>& a, int64_t N, int64_t H, int64_t rows, int64_t cols) {
   std::unique_ptr<T[]> t(new T[N * H * rows * cols]);
   constexpr int64_t kTile = 32;
-  const int64_t tiles = (rows + kTile - 1) / kTile;
+  const int64_t tiles = ceil_div(rows, kTile);
   parallel_for(N * H * tiles, N * H * rows * cols, [&](int64_t task) {
     const int64_t nh = task / tiles, r0 = task % tiles * kTile, r1 = std::min(rows, r0 + kTile);
     const T* src = a.at(nh / H, nh % H, 0);
@@ -169,8 +169,8 @@ template <typename T>
 void dot_products(T* C, const T* A, int64_t lda, const T* Bt, int64_t ldbt, int64_t M, int64_t N, int64_t K,
                   bool accumulate) {
   constexpr int64_t kRows = 4, kKC = 2048;
-  const int64_t k_slices = std::max<int64_t>(1, (K + kKC - 1) / kKC);  // one (empty) slice when K = 0
-  parallel_for((M + kRows - 1) / kRows, M * N * K, [&](int64_t task) {
+  const int64_t k_slices = std::max<int64_t>(1, ceil_div(K, kKC));  // one (empty) slice when K = 0
+  parallel_for(ceil_div(M, kRows), M * N * K, [&](int64_t task) {
     const int64_t i0 = task * kRows, i1 = std::min(M, i0 + kRows);
     for (int64_t s = 0; s < k_slices; ++s) {
       const int64_t k0 = s * kKC, kc = std::min(kKC, K - k0);
@@ -190,8 +190,8 @@ template <typename T>
 void gemm_parallel(T* C, int64_t ldc, const T* A, int64_t ars, int64_t acs, const T* B, int64_t ldb, int64_t M,
                    int64_t N, int64_t K, T alpha, bool accumulate) {
   constexpr int64_t kMC = 120, kNC = 256, kKC = 256;
-  const int64_t m_blocks = (M + kMC - 1) / kMC, n_blocks = (N + kNC - 1) / kNC;
-  const int64_t k_slices = std::max<int64_t>(1, (K + kKC - 1) / kKC);  // one (empty) slice when K = 0 zeroes C
+  const int64_t m_blocks = ceil_div(M, kMC), n_blocks = ceil_div(N, kNC);
+  const int64_t k_slices = std::max<int64_t>(1, ceil_div(K, kKC));  // one (empty) slice when K = 0 zeroes C
   parallel_for(
       m_blocks * n_blocks, M * N * K,
       [&](int64_t block) {

@@ -1,7 +1,5 @@
 import math
 
-import numpy as np
-
 from .. import functional as F
 from .._seeds import generator
 from .module import Module
