@@ -118,7 +118,9 @@ void sdpa_forward(const View4<T>& out, T* logsumexp, const View4<const T>& q, co
           const int64_t j0 = kb * kBlockS, cols = visible_cols(cfg, i0, rows, j0);
           if (!score_block(s_blk, q.at(n, h, i0), q.row, kt_h, rows, cols, cfg, n, h, i0, j0)) continue;
           for (int64_t r = 0; r < rows; ++r) {
-            const T m_new = std::max(m(r), s_blk.row(r).maxCoeff());
+            // the new running max; NaN once a score is NaN, so that the row comes out NaN as in PyTorch
+            const T blk_max = s_blk.row(r).template maxCoeff<Eigen::PropagateNaN>();
+            const T m_new = std::isnan(blk_max) || blk_max > m(r) ? blk_max : m(r);
             if (m_new == neg_inf<T>()) {  // nothing visible yet in this row
               s_blk.row(r).setZero();
               continue;
@@ -136,12 +138,12 @@ void sdpa_forward(const View4<T>& out, T* logsumexp, const View4<const T>& q, co
         auto o_blk = MapRows<T>(out.at(n, h, i0), rows, cfg.Dv, Eigen::OuterStride<>(out.row));
         T* lse = logsumexp + (n * cfg.Hq + h) * cfg.L + i0;
         for (int64_t r = 0; r < rows; ++r) {
-          if (l(r) > 0) {
-            o_blk.row(r) = acc.row(r) / l(r);
-            lse[r] = m(r) + std::log(l(r));
-          } else {  // fully masked row: output 0, never NaN
+          if (l(r) == 0) {  // fully masked row: output 0, never NaN
             o_blk.row(r).setZero();
             lse[r] = neg_inf<T>();
+          } else {  // (NaN in the row's scores makes l NaN: the row's output is NaN)
+            o_blk.row(r) = acc.row(r) / l(r);
+            lse[r] = m(r) + std::log(l(r));
           }
         }
       },

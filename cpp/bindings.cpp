@@ -48,6 +48,12 @@ View4<A> view4(const py::array& a, const char* name, bool writeable) {
   return View4<A>{data, st(0), st(1), st(2)};
 }
 
+void expect_ndim(const py::array& a, const char* name, py::ssize_t ndim) {
+  if (a.ndim() != ndim)
+    throw py::value_error(std::string(name) + ": expected " + std::to_string(ndim) + " dimensions, got " +
+                          shape_str(a));
+}
+
 void expect_shape(const py::array& a, const char* name, std::initializer_list<int64_t> shape) {
   bool ok = a.ndim() == py::ssize_t(shape.size());
   int d = 0;
@@ -71,6 +77,31 @@ T* contiguous_ptr(const py::array& a, const char* name, bool writeable) {
 // Masks arrive as (array, batch_offsets (N,) int64, h_stride, l_stride, s_stride), strides in elements.
 using MaskArg = std::tuple<py::array, py::array_t<int64_t, py::array::c_style>, int64_t, int64_t, int64_t>;
 
+// ValueError unless every element (n, h, i, j) < (N, H, L, S) the mask view reads lies within the mask array's
+// own elements (its offsets and strides come from Python; a wrong one would read outside the array).
+template <typename T>
+void check_mask_bounds(const MaskArg& m, int64_t N, int64_t H, int64_t L, int64_t S) {
+  const py::array& a = std::get<0>(m);
+  if (N == 0 || H == 0 || L == 0 || S == 0) return;
+  using Wide = __int128;  // no overflow from int64 strides times int64 sizes
+  Wide lo = 0, hi = 0;    // the array's elements lie in [data + lo, data + hi]
+  for (py::ssize_t d = 0; d < a.ndim(); ++d) {
+    if (a.shape(d) == 0) throw py::value_error("attn_mask: empty mask array for a non-empty attention");
+    if (a.strides(d) % py::ssize_t(sizeof(T))) throw py::value_error("attn_mask: strides must be multiples of the item size");
+    const Wide reach = Wide(a.shape(d) - 1) * (a.strides(d) / py::ssize_t(sizeof(T)));
+    (reach < 0 ? lo : hi) += reach;
+  }
+  Wide span_lo = 0, span_hi = 0;  // reach of (h, i, j) from a batch offset
+  for (const auto& [size, stride] : {std::pair{H, std::get<2>(m)}, {L, std::get<3>(m)}, {S, std::get<4>(m)}}) {
+    const Wide reach = Wide(size - 1) * stride;
+    (reach < 0 ? span_lo : span_hi) += reach;
+  }
+  const int64_t* offsets = std::get<1>(m).data();
+  for (int64_t n = 0; n < N; ++n)
+    if (offsets[n] + span_lo < lo || offsets[n] + span_hi > hi)
+      throw py::value_error("attn_mask: batch offsets and strides reach outside the mask array");
+}
+
 template <typename T>
 AttnConfig<T> make_config(const py::array& q, const py::array& k, int64_t Dv, const std::vector<MaskArg>& masks,
                           double scale, int causal, double dropout_p, uint64_t seed) {
@@ -89,6 +120,7 @@ AttnConfig<T> make_config(const py::array& q, const py::array& k, int64_t Dv, co
     if (offsets.ndim() != 1 || offsets.shape(0) != cfg.N)
       throw py::value_error("mask batch offsets: expected shape (" + std::to_string(cfg.N) + ",)");
     check_dtype<T>(std::get<0>(m), "attn_mask");
+    check_mask_bounds<T>(m, cfg.N, cfg.Hq, cfg.L, cfg.S);
     cfg.masks.push_back(MaskView<T>{static_cast<const T*>(std::get<0>(m).data()), offsets.data(), std::get<2>(m),
                                     std::get<3>(m), std::get<4>(m)});
   }
@@ -153,6 +185,7 @@ void sdpa_weights_t(const py::array& weights, const py::array& lse, const py::ar
 
 template <typename T>
 void linear_forward_t(const py::array& y, const py::array& x, const py::array& w, const py::object& b) {
+  expect_ndim(x, "input", 2), expect_ndim(w, "weight", 2);
   const int64_t M = x.shape(0), Fin = x.shape(1), Fout = w.shape(0);
   expect_shape(w, "weight", {Fout, Fin});
   expect_shape(y, "out", {M, Fout});
@@ -171,6 +204,7 @@ void linear_forward_t(const py::array& y, const py::array& x, const py::array& w
 template <typename T>
 void linear_backward_t(const py::object& dx, const py::array& dw, const py::object& db, const py::array& dy,
                        const py::array& x, const py::array& w) {
+  expect_ndim(x, "input", 2), expect_ndim(w, "weight", 2);
   const int64_t M = x.shape(0), Fin = x.shape(1), Fout = w.shape(0);
   expect_shape(w, "weight", {Fout, Fin});
   expect_shape(dy, "grad_output", {M, Fout});
@@ -223,6 +257,17 @@ const int64_t* index_ptr(const py::array& a, const char* name) {
   return static_cast<const int64_t*>(a.data());
 }
 
+// The indices of `a` (C-contiguous int64), each in [0, size) or equal to *allowed when given, else IndexError.
+const int64_t* index_ptr(const py::array& a, const char* name, int64_t size, const int64_t* allowed = nullptr) {
+  const int64_t* idx = index_ptr(a, name);
+  for (py::ssize_t i = 0; i < a.size(); ++i)
+    if ((idx[i] < 0 || idx[i] >= size) && !(allowed && idx[i] == *allowed))
+      throw py::index_error(std::string(name) + ": value " + std::to_string(idx[i]) + " out of range [0, " +
+                            std::to_string(size) + ")");
+  return idx;
+}
+
+
 // A parameter's value and gradient, owned by the core; Python sees both as NumPy arrays sharing this memory.
 class Parameter {
  public:
@@ -232,6 +277,7 @@ class Parameter {
     size_ = 1;
     for (auto s : shape_) {
       if (s < 0) throw py::value_error("shape: dimensions must be non-negative");
+      if (s != 0 && size_ > std::numeric_limits<py::ssize_t>::max() / 8 / s) throw std::bad_alloc();
       size_ *= s;
     }
     data_.reset(new double[size_ ? size_ : 1]());  // zeroed; double storage is aligned for both dtypes
@@ -266,9 +312,9 @@ PYBIND11_MODULE(_core, m) {
 
   m.def("set_num_threads", [](int n) {
     if (n < 1) throw py::value_error("set_num_threads: n must be >= 1, got " + std::to_string(n));
-    omp_set_num_threads(n);
+    thread_count_setting() = n;
   });
-  m.def("get_num_threads", []() { return omp_get_max_threads(); });
+  m.def("get_num_threads", []() { return thread_count(); });
 
   m.def("sdpa_forward", [](const py::array& out, const py::array& lse, const py::array& q, const py::array& k,
                            const py::array& v, const std::vector<MaskArg>& masks, double scale, int causal,
@@ -352,11 +398,12 @@ PYBIND11_MODULE(_core, m) {
   m.def("embedding_forward", [](const py::array& out, const py::array& index, const py::array& weight) {
     dispatch(weight, "weight", [&](auto t) {
       using T = typename decltype(t)::type;
+      expect_ndim(weight, "weight", 2);
       const int64_t N = index.size(), E = weight.shape(1);
       expect_shape(out, "out", {N, E});
       T* o = contiguous_ptr<T>(out, "out", true);
       const T* w = contiguous_ptr<T>(weight, "weight", false);
-      const int64_t* idx = index_ptr(index, "input");
+      const int64_t* idx = index_ptr(index, "input", weight.shape(0));
       py::gil_scoped_release release;
       embedding_forward<T>(o, idx, w, N, E);
     });
@@ -364,11 +411,12 @@ PYBIND11_MODULE(_core, m) {
   m.def("embedding_backward", [](const py::array& dweight, const py::array& dout, const py::array& index) {
     dispatch(dweight, "grad_weight", [&](auto t) {
       using T = typename decltype(t)::type;
+      expect_ndim(dweight, "grad_weight", 2);
       const int64_t N = index.size(), E = dweight.shape(1);
       expect_shape(dout, "grad_output", {N, E});
       T* dw = contiguous_ptr<T>(dweight, "grad_weight", true);
       const T* g = contiguous_ptr<T>(dout, "grad_output", false);
-      const int64_t* idx = index_ptr(index, "input");
+      const int64_t* idx = index_ptr(index, "input", dweight.shape(0));
       py::gil_scoped_release release;
       embedding_backward<T>(dw, g, idx, N, E);
     });
@@ -377,13 +425,15 @@ PYBIND11_MODULE(_core, m) {
                                     const py::array& target, int64_t ignore_index) {
     dispatch(input, "input", [&](auto t) {
       using T = typename decltype(t)::type;
+      expect_ndim(input, "input", 2);
       const int64_t N = input.shape(0), C = input.shape(1);
+      if (C == 0 && N > 0) throw py::value_error("input: expected at least one class, got shape " + shape_str(input));
       expect_shape(losses, "losses", {N});
       expect_shape(stats, "stats", {N, 2});
       expect_shape(target, "target", {N});
       T *l = contiguous_ptr<T>(losses, "losses", true), *s = contiguous_ptr<T>(stats, "stats", true);
       const T* x = contiguous_ptr<T>(input, "input", false);
-      const int64_t* tg = index_ptr(target, "target");
+      const int64_t* tg = index_ptr(target, "target", C, &ignore_index);
       py::gil_scoped_release release;
       cross_entropy_forward<T>(l, s, x, tg, N, C, ignore_index);
     });
@@ -392,6 +442,7 @@ PYBIND11_MODULE(_core, m) {
                                      const py::array& input, const py::array& target) {
     dispatch(input, "input", [&](auto t) {
       using T = typename decltype(t)::type;
+      expect_ndim(input, "input", 2);
       const int64_t N = input.shape(0), C = input.shape(1);
       expect_shape(dinput, "grad_input", {N, C});
       expect_shape(row_weight, "row_weight", {N});
@@ -401,6 +452,10 @@ PYBIND11_MODULE(_core, m) {
       const T *w = contiguous_ptr<T>(row_weight, "row_weight", false), *s = contiguous_ptr<T>(stats, "stats", false);
       const T* x = contiguous_ptr<T>(input, "input", false);
       const int64_t* tg = index_ptr(target, "target");
+      for (int64_t i = 0; i < N; ++i)  // rows of weight 0 (ignored) are not read
+        if (w[i] != T(0) && (tg[i] < 0 || tg[i] >= C))
+          throw py::index_error("target: value " + std::to_string(tg[i]) + " out of range [0, " +
+                                std::to_string(C) + ") on a row of nonzero weight");
       py::gil_scoped_release release;
       cross_entropy_backward<T>(d, w, s, x, tg, N, C);
     });

@@ -1,8 +1,12 @@
 // Shared pieces of the attnpp core: strided views, masks, the dropout hash.
 #pragma once
 
+#include <omp.h>
+
+#include <atomic>
 #include <cmath>
 #include <cstdint>
+#include <exception>
 #include <limits>
 #include <vector>
 
@@ -42,19 +46,45 @@ inline int64_t ceil_div(int64_t n, int64_t b) { return (n + b - 1) / b; }
 // costs microseconds (tens when the threads have gone to sleep), as much as the whole of a small layer's call.
 inline bool worth_threads(int64_t work) { return work >= (int64_t(1) << 17); }
 
+// The number of threads of attnpp's parallel loops, one setting for the whole process (OpenMP's own setting
+// belongs to the calling thread: a Python thread started later would not see set_num_threads).
+inline std::atomic<int>& thread_count_setting() {
+  static std::atomic<int> n{omp_get_max_threads()};
+  return n;
+}
+inline int thread_count() { return thread_count_setting().load(std::memory_order_relaxed); }
+
 // body(i) for i in [0, n): on the OpenMP threads when `work` is worth it, else in a plain loop (an OpenMP region
-// with a false `if` still sets up a team, about a microsecond). dynamic: tasks of uneven cost.
+// with a false `if` still sets up a team, about a microsecond). dynamic: tasks of uneven cost. An exception in
+// a body (std::bad_alloc from a block buffer) stops the remaining tasks and is rethrown here: one escaping an
+// OpenMP region would terminate the process.
 template <typename F>
 void parallel_for(int64_t n, int64_t work, F&& body, bool dynamic = false) {
-  if (!worth_threads(work)) {
+  const int threads = thread_count();
+  if (threads == 1 || !worth_threads(work)) {
     for (int64_t i = 0; i < n; ++i) body(i);
-  } else if (dynamic) {
-#pragma omp parallel for schedule(dynamic)
-    for (int64_t i = 0; i < n; ++i) body(i);
-  } else {
-#pragma omp parallel for schedule(static)
-    for (int64_t i = 0; i < n; ++i) body(i);
+    return;
   }
+  std::exception_ptr error;
+  std::atomic<bool> failed{false};
+  const auto guarded = [&](int64_t i) {
+    if (failed.load(std::memory_order_relaxed)) return;
+    try {
+      body(i);
+    } catch (...) {
+#pragma omp critical(attnpp_parallel_for_error)
+      if (!error) error = std::current_exception();
+      failed = true;
+    }
+  };
+  if (dynamic) {
+#pragma omp parallel for schedule(dynamic) num_threads(threads)
+    for (int64_t i = 0; i < n; ++i) guarded(i);
+  } else {
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t i = 0; i < n; ++i) guarded(i);
+  }
+  if (error) std::rethrow_exception(error);
 }
 
 enum class Causal : int { none = 0, top_left = 1, bottom_right = 2 };

@@ -37,7 +37,7 @@ double sum_exp_shifted(const T* x, int64_t n, T m) {
 template <typename T>
 void cross_entropy_forward(T* losses, T* stats, const T* input, const int64_t* target, int64_t N, int64_t C,
                            int64_t ignore_index) {
-#pragma omp parallel for schedule(static) if (worth_threads(N * C))
+#pragma omp parallel for schedule(static) if (worth_threads(N * C)) num_threads(thread_count())
   for (int64_t i = 0; i < N; ++i) {
     const T* row = input + i * C;
     const T m = Eigen::Map<const Eigen::Array<T, Eigen::Dynamic, 1>>(row, C).maxCoeff();
@@ -52,7 +52,7 @@ void cross_entropy_forward(T* losses, T* stats, const T* input, const int64_t* t
 template <typename T>
 void cross_entropy_backward(T* dinput, const T* row_weight, const T* stats, const T* input, const int64_t* target,
                             int64_t N, int64_t C) {
-#pragma omp parallel for schedule(static) if (worth_threads(N * C))
+#pragma omp parallel for schedule(static) if (worth_threads(N * C)) num_threads(thread_count())
   for (int64_t i = 0; i < N; ++i) {
     const T *row = input + i * C, w = row_weight[i], m = stats[2 * i], log_sum = stats[2 * i + 1];
     T* drow = dinput + i * C;

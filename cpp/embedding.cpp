@@ -7,7 +7,7 @@ namespace attnpp {
 
 template <typename T>
 void embedding_forward(T* out, const int64_t* index, const T* weight, int64_t N, int64_t E) {
-#pragma omp parallel for schedule(static) if (worth_threads(N * E))
+#pragma omp parallel for schedule(static) if (worth_threads(N * E)) num_threads(thread_count())
   for (int64_t i = 0; i < N; ++i) std::copy(weight + index[i] * E, weight + (index[i] + 1) * E, out + i * E);
 }
 

@@ -10,7 +10,7 @@ template <typename T>
 void sgd_step(T* param, const T* grad, T* momentum_buffer, int64_t n, double lr, double momentum,
               double dampening, double weight_decay, bool nesterov, bool first) {
   const T wd = T(weight_decay), mu = T(momentum), damp = T(1 - dampening), step = T(lr);
-#pragma omp parallel for schedule(static) if (worth_threads(n))
+#pragma omp parallel for schedule(static) if (worth_threads(n)) num_threads(thread_count())
   for (int64_t i = 0; i < n; ++i) {
     T d = grad[i];
     if (weight_decay != 0) d += wd * param[i];  // d_p = grad + weight_decay * param
@@ -30,7 +30,7 @@ void adamw_step(T* param, const T* grad, T* exp_avg, T* exp_avg_sq, int64_t n, d
   const double bias_correction2_sqrt = std::pow(1 - std::pow(beta2, double(step)), 0.5);
   const T decay = T(1 - lr * weight_decay), w1 = T(1 - beta1), b2 = T(beta2), w2 = T(1 - beta2);
   const T step_size = T(lr / bias_correction1), bc2 = T(bias_correction2_sqrt), e = T(eps);
-#pragma omp parallel for schedule(static) if (worth_threads(n))
+#pragma omp parallel for schedule(static) if (worth_threads(n)) num_threads(thread_count())
   for (int64_t i = 0; i < n; ++i) {
     const T g = grad[i];
     param[i] *= decay;                                  // param *= 1 - lr * weight_decay

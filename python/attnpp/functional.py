@@ -579,14 +579,13 @@ def cross_entropy_backward(grad_output, input, target, stats, ignore_index=-100,
     none; 0 on ignored rows. ``stats`` (N, 2) is what ``cross_entropy_forward`` returned. Writes one new array of
     the input's shape (no other copy of the logits)."""
     logits, tgt = _cross_entropy_args(input, target, ignore_index, reduction)
-    kept = (tgt != ignore_index).astype(logits.dtype)
+    kept = tgt != ignore_index
     g = np.asarray(grad_output, dtype=logits.dtype)
     if reduction == "none":
-        row_weight = g.reshape(tgt.shape) * kept
-    elif reduction == "sum":
-        row_weight = g * kept
-    else:
-        row_weight = g * kept / max(kept.sum(), 1)
+        g = g.reshape(tgt.shape)
+    elif reduction == "mean":
+        g = g / max(kept.sum(), 1)
+    row_weight = np.where(kept, g, 0)  # exactly 0 on ignored rows, even for a NaN grad_output
     grad = _empty(logits.shape, logits.dtype)
     _core.cross_entropy_backward(grad, np.ascontiguousarray(row_weight, dtype=logits.dtype), stats, logits, tgt)
     return grad.reshape(input.shape)
