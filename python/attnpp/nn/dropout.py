@@ -27,14 +27,14 @@ class Dropout(Module):
     def forward(self, input, *, seed=None):
         F.check_array(input, "input")
         self.last_seed = check_seed(seed) if self.training and self.p > 0 else None
-        self._ctx = dict(out_shape=input.shape, dtype=input.dtype)
+        self._ctx = dict(out_shape=input.shape, dtype=input.dtype, seed=self.last_seed)
         return F.dropout(input, self.p, self.last_seed is not None, seed=self.last_seed)
 
     def backward(self, grad_output):
-        self._consume_context(grad_output)
-        if self.last_seed is None:
+        seed = self._consume_context(grad_output)["seed"]  # (not last_seed: another thread may have run since)
+        if seed is None:
             return grad_output
-        return F.dropout_backward(grad_output, self.p, self.last_seed)
+        return F.dropout_backward(grad_output, self.p, seed)
 
     def extra_repr(self):
         return f"p={self.p}"

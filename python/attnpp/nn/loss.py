@@ -28,7 +28,7 @@ class CrossEntropyLoss(Module):
 
     def backward(self, grad_output=1.0):
         if self._ctx is None:
-            raise ValueError("backward: call forward first (backward runs once per forward)")
+            raise ValueError("backward: call forward first (in this thread; backward runs once per forward)")
         input, target, stats = self._ctx
         self._ctx = None
         return F.cross_entropy_backward(np.asarray(grad_output, input.dtype), input, target, stats,

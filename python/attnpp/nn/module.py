@@ -1,4 +1,7 @@
 """The layer base class: parameters, gradients, modes and state dicts, as in torch.nn.Module."""
+import functools
+import threading
+
 import numpy as np
 
 from .._core import Parameter
@@ -29,21 +32,63 @@ def to_numpy(value, name):
     return value
 
 
+def _serialized(method):
+    """``method`` run under the layer's lock (see ``Module``)."""
+    @functools.wraps(method)
+    def call(self, *args, **kwargs):
+        with self._lock:
+            return method(self, *args, **kwargs)
+    call.serialized = True
+    return call
+
+
 class Module:
     """Base class of attnpp's layers.
 
     Subclasses create their parameters with ``self.register_parameter(name, shape)`` and sub-layers by plain
     attribute assignment, implement ``forward(...)`` and ``backward(grad_output)``; ``backward`` returns the
     gradients of the inputs and accumulates (+=) into each parameter's ``grad``.
+
+    Threads: a layer may be called from several Python threads. Its ``forward`` and ``backward`` calls take turns
+    (a lock per layer; different layers run at the same time, the core releasing the GIL), so gradients
+    accumulate without lost updates; and each thread's ``backward`` uses what that thread's last ``forward``
+    saved, whatever other threads did in between.
     """
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        for name in ("forward", "backward"):
+            method = cls.__dict__.get(name)
+            if method is not None and not getattr(method, "serialized", False):
+                setattr(cls, name, _serialized(method))
 
     def __init__(self, dtype=None):
         object.__setattr__(self, "_parameters", {})
         object.__setattr__(self, "_modules", {})
         object.__setattr__(self, "_buffers", {})
-        self._ctx = None  # what the last forward saved for the backward
+        object.__setattr__(self, "_lock", threading.RLock())
+        object.__setattr__(self, "_local", threading.local())  # holds _ctx, one per thread
         self.dtype = check_dtype(dtype)
         self.training = True
+
+    @property
+    def _ctx(self):
+        """What this thread's last forward saved for its backward (None when consumed or never made)."""
+        return getattr(self._local, "ctx", None)
+
+    @_ctx.setter
+    def _ctx(self, value):
+        self._local.ctx = value
+
+    def __getstate__(self):  # (copy and pickle: a lock and thread-local state are not copied)
+        state = self.__dict__.copy()
+        del state["_lock"], state["_local"]
+        return state
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+        object.__setattr__(self, "_lock", threading.RLock())
+        object.__setattr__(self, "_local", threading.local())
 
     def __setattr__(self, name, value):
         if isinstance(value, Module):
@@ -88,7 +133,7 @@ class Module:
         ``grad_output`` against it; a refused call leaves it in place for a correct retry."""
         ctx = self._ctx
         if ctx is None:
-            raise ValueError("backward: call forward first (backward runs once per forward)")
+            raise ValueError("backward: call forward first (in this thread; backward runs once per forward)")
         check_array(grad_output, "grad_output", dtype=ctx.get("dtype", self.dtype))
         if grad_output.shape != ctx["out_shape"]:
             raise ValueError(f"grad_output: expected the output's shape {ctx['out_shape']}, got "
