@@ -180,7 +180,8 @@ class _Problem:
         self.q4 = self._as4(query, Hq, L, D)
         self.k4 = self._as4(key, Hk, S, D)
         self.v4 = self._as4(value, Hk, S, Dv) if value is not None else np.zeros((self.N, Hk, S, 0), dtype)
-        self.scale = float(1.0 / math.sqrt(D) if scale is None else scale)
+        # with D = 0 every q k^T is the empty sum 0, whatever the scale (PyTorch: uniform weights, not NaN)
+        self.scale = 1.0 if D == 0 else float(1.0 / math.sqrt(D) if scale is None else scale)
         self.dropout_p = float(dropout_p)
         if need_seed and dropout_p > 0 and seed is None:
             raise ValueError("seed: the backward with dropout_p > 0 needs the seed given to the forward")
