@@ -244,7 +244,10 @@ void sdpa_weights(T* weights, const T* logsumexp, const View4<const T>& q, const
           else
             w += p_blk;
         }
-        if (average_heads) w /= T(cfg.Hq);
+        if (h_begin == h_end)  // the mean over no heads (Hq = 0), NaN as in PyTorch
+          w.setConstant(std::numeric_limits<T>::quiet_NaN());
+        else if (average_heads)
+          w /= T(cfg.Hq);
       },
       true);
 }

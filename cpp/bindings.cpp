@@ -5,8 +5,10 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <cstring>
 #include <limits>
 #include <memory>
+#include <optional>
 #include <string>
 
 #include "attention.hpp"
@@ -18,6 +20,8 @@ namespace py = pybind11;
 using namespace attnpp;
 
 namespace {
+
+constexpr int64_t kMaxThreads = 256;  // set_num_threads' bound: far more makes libgomp fail to start them
 
 std::string shape_str(const py::array& a) {
   std::string s = "(";
@@ -33,15 +37,23 @@ void check_dtype(const py::array& a, const char* name) {
 }
 
 // A 4-D array as (N, H, rows, cols) with its last dimension contiguous.
+void check_aligned(const py::array& a, const char* name) {
+  if (!(a.flags() & py::detail::npy_api::NPY_ARRAY_ALIGNED_))
+    throw py::value_error(std::string(name) + ": array not aligned to its item size");
+}
+
 template <typename T, typename A>
 View4<A> view4(const py::array& a, const char* name, bool writeable) {
   check_dtype<T>(a, name);
   if (a.ndim() != 4) throw py::value_error(std::string(name) + ": expected 4 dimensions, got " + shape_str(a));
-  if (a.shape(3) > 1 && a.strides(3) != py::ssize_t(sizeof(T)))
-    throw py::value_error(std::string(name) + ": the last dimension must be contiguous");
-  for (int d = 0; d < 3; ++d)
-    if (a.strides(d) % py::ssize_t(sizeof(T)))
-      throw py::value_error(std::string(name) + ": strides must be multiples of the item size");
+  if (a.size() > 0) {  // (NumPy gives empty arrays any strides; nothing of them is read)
+    check_aligned(a, name);
+    if (a.shape(3) > 1 && a.strides(3) != py::ssize_t(sizeof(T)))
+      throw py::value_error(std::string(name) + ": the last dimension must be contiguous");
+    for (int d = 0; d < 3; ++d)
+      if (a.strides(d) % py::ssize_t(sizeof(T)))
+        throw py::value_error(std::string(name) + ": strides must be multiples of the item size");
+  }
   if (writeable && !a.writeable()) throw py::value_error(std::string(name) + ": output array is read-only");
   A* data = static_cast<A*>(const_cast<void*>(a.data()));  // written only when `writeable` was checked
   const auto st = [&](int d) { return int64_t(a.strides(d) / py::ssize_t(sizeof(T))); };
@@ -70,8 +82,29 @@ template <typename T>
 T* contiguous_ptr(const py::array& a, const char* name, bool writeable) {
   check_dtype<T>(a, name);
   if (!(a.flags() & py::array::c_style)) throw py::value_error(std::string(name) + ": must be C-contiguous");
+  check_aligned(a, name);
   if (writeable && !a.writeable()) throw py::value_error(std::string(name) + ": output array is read-only");
   return static_cast<T*>(const_cast<void*>(a.data()));
+}
+
+// An optional array argument: empty for None, else the ndarray passed (never a temporary converted from a list,
+// whose memory would be gone by the time the kernel writes it), TypeError for anything else.
+std::optional<py::array> optional_array(const py::object& o, const char* name) {
+  if (o.is_none()) return std::nullopt;
+  if (!py::isinstance<py::array>(o))
+    throw py::type_error(std::string(name) + ": expected a numpy.ndarray or None, got " +
+                         std::string(py::str(o.get_type().attr("__name__"))));
+  return py::reinterpret_borrow<py::array>(o);
+}
+
+// Copies of an int64 array's values: indices and offsets are checked, then used with the GIL released, when
+// another Python thread could change the array in between.
+std::vector<int64_t> int64_copy(const py::array& a, const char* name) {
+  if (!a.dtype().is(py::dtype::of<int64_t>()) || !(a.flags() & py::array::c_style))
+    throw py::type_error(std::string(name) + ": expected a C-contiguous int64 array");
+  std::vector<int64_t> values(a.size());
+  if (!values.empty()) std::memcpy(values.data(), a.data(), values.size() * sizeof(int64_t));
+  return values;
 }
 
 // Masks arrive as (array, batch_offsets (N,) int64, h_stride, l_stride, s_stride), strides in elements.
@@ -80,9 +113,10 @@ using MaskArg = std::tuple<py::array, py::array_t<int64_t, py::array::c_style>, 
 // ValueError unless every element (n, h, i, j) < (N, H, L, S) the mask view reads lies within the mask array's
 // own elements (its offsets and strides come from Python; a wrong one would read outside the array).
 template <typename T>
-void check_mask_bounds(const MaskArg& m, int64_t N, int64_t H, int64_t L, int64_t S) {
-  const py::array& a = std::get<0>(m);
+void check_mask_bounds(const py::array& a, const std::vector<int64_t>& offsets, int64_t N, int64_t H, int64_t L,
+                       int64_t S, int64_t h_stride, int64_t l_stride, int64_t s_stride) {
   if (N == 0 || H == 0 || L == 0 || S == 0) return;
+  check_aligned(a, "attn_mask");
   using Wide = __int128;  // no overflow from int64 strides times int64 sizes
   Wide lo = 0, hi = 0;    // the array's elements lie in [data + lo, data + hi]
   for (py::ssize_t d = 0; d < a.ndim(); ++d) {
@@ -92,19 +126,20 @@ void check_mask_bounds(const MaskArg& m, int64_t N, int64_t H, int64_t L, int64_
     (reach < 0 ? lo : hi) += reach;
   }
   Wide span_lo = 0, span_hi = 0;  // reach of (h, i, j) from a batch offset
-  for (const auto& [size, stride] : {std::pair{H, std::get<2>(m)}, {L, std::get<3>(m)}, {S, std::get<4>(m)}}) {
+  for (const auto& [size, stride] : {std::pair{H, h_stride}, {L, l_stride}, {S, s_stride}}) {
     const Wide reach = Wide(size - 1) * stride;
     (reach < 0 ? span_lo : span_hi) += reach;
   }
-  const int64_t* offsets = std::get<1>(m).data();
   for (int64_t n = 0; n < N; ++n)
     if (offsets[n] + span_lo < lo || offsets[n] + span_hi > hi)
       throw py::value_error("attn_mask: batch offsets and strides reach outside the mask array");
 }
 
+// `offsets` keeps copies of the masks' batch offsets (see int64_copy), which cfg.masks point into.
 template <typename T>
 AttnConfig<T> make_config(const py::array& q, const py::array& k, int64_t Dv, const std::vector<MaskArg>& masks,
-                          double scale, int causal, double dropout_p, uint64_t seed) {
+                          double scale, int causal, double dropout_p, uint64_t seed,
+                          std::vector<std::vector<int64_t>>& offsets) {
   AttnConfig<T> cfg;
   cfg.N = q.shape(0), cfg.Hq = q.shape(1), cfg.L = q.shape(2), cfg.D = q.shape(3);
   cfg.Hk = k.shape(1), cfg.S = k.shape(2), cfg.Dv = Dv;
@@ -116,13 +151,15 @@ AttnConfig<T> make_config(const py::array& q, const py::array& k, int64_t Dv, co
   if (!(dropout_p >= 0 && dropout_p < 1)) throw py::value_error("dropout_p must be in [0, 1)");
   cfg.scale = T(scale), cfg.causal = Causal(causal), cfg.dropout_p = dropout_p, cfg.seed = seed;
   for (const auto& m : masks) {
-    const auto& offsets = std::get<1>(m);
-    if (offsets.ndim() != 1 || offsets.shape(0) != cfg.N)
+    const auto& batch_offsets = std::get<1>(m);
+    if (batch_offsets.ndim() != 1 || batch_offsets.shape(0) != cfg.N)
       throw py::value_error("mask batch offsets: expected shape (" + std::to_string(cfg.N) + ",)");
     check_dtype<T>(std::get<0>(m), "attn_mask");
-    check_mask_bounds<T>(m, cfg.N, cfg.Hq, cfg.L, cfg.S);
-    cfg.masks.push_back(MaskView<T>{static_cast<const T*>(std::get<0>(m).data()), offsets.data(), std::get<2>(m),
-                                    std::get<3>(m), std::get<4>(m)});
+    offsets.push_back(int64_copy(batch_offsets, "mask batch offsets"));
+    check_mask_bounds<T>(std::get<0>(m), offsets.back(), cfg.N, cfg.Hq, cfg.L, cfg.S, std::get<2>(m),
+                         std::get<3>(m), std::get<4>(m));
+    cfg.masks.push_back(MaskView<T>{static_cast<const T*>(std::get<0>(m).data()), offsets.back().data(),
+                                    std::get<2>(m), std::get<3>(m), std::get<4>(m)});
   }
   return cfg;
 }
@@ -133,7 +170,8 @@ void sdpa_forward_t(const py::array& out, const py::array& lse, const py::array&
                     double dropout_p, uint64_t seed) {
   const auto qv = view4<T, const T>(q, "query", false), kv = view4<T, const T>(k, "key", false);
   const auto vv = view4<T, const T>(v, "value", false);
-  const auto cfg = make_config<T>(q, k, v.shape(3), masks, scale, causal, dropout_p, seed);
+  std::vector<std::vector<int64_t>> offsets;
+  const auto cfg = make_config<T>(q, k, v.shape(3), masks, scale, causal, dropout_p, seed, offsets);
   expect_shape(v, "value", {cfg.N, cfg.Hk, cfg.S, cfg.Dv});
   expect_shape(out, "out", {cfg.N, cfg.Hq, cfg.L, cfg.Dv});
   expect_shape(lse, "logsumexp", {cfg.N, cfg.Hq, cfg.L});
@@ -150,7 +188,8 @@ void sdpa_backward_t(const py::array& dq, const py::array& dk, const py::array& 
                      double dropout_p, uint64_t seed) {
   const auto qv = view4<T, const T>(q, "query", false), kv = view4<T, const T>(k, "key", false);
   const auto vv = view4<T, const T>(v, "value", false);
-  const auto cfg = make_config<T>(q, k, v.shape(3), masks, scale, causal, dropout_p, seed);
+  std::vector<std::vector<int64_t>> offsets;
+  const auto cfg = make_config<T>(q, k, v.shape(3), masks, scale, causal, dropout_p, seed, offsets);
   expect_shape(v, "value", {cfg.N, cfg.Hk, cfg.S, cfg.Dv});
   expect_shape(out, "out", {cfg.N, cfg.Hq, cfg.L, cfg.Dv});
   expect_shape(dout, "grad_output", {cfg.N, cfg.Hq, cfg.L, cfg.Dv});
@@ -171,7 +210,8 @@ void sdpa_weights_t(const py::array& weights, const py::array& lse, const py::ar
                     const std::vector<MaskArg>& masks, double scale, int causal, double dropout_p,
                     uint64_t seed, bool average_heads) {
   const auto qv = view4<T, const T>(q, "query", false), kv = view4<T, const T>(k, "key", false);
-  const auto cfg = make_config<T>(q, k, 0, masks, scale, causal, dropout_p, seed);
+  std::vector<std::vector<int64_t>> offsets;
+  const auto cfg = make_config<T>(q, k, 0, masks, scale, causal, dropout_p, seed, offsets);
   expect_shape(lse, "logsumexp", {cfg.N, cfg.Hq, cfg.L});
   if (average_heads)
     expect_shape(weights, "weights", {cfg.N, cfg.L, cfg.S});
@@ -190,10 +230,9 @@ void linear_forward_t(const py::array& y, const py::array& x, const py::array& w
   expect_shape(w, "weight", {Fout, Fin});
   expect_shape(y, "out", {M, Fout});
   const T* bp = nullptr;
-  if (!b.is_none()) {
-    const auto ba = b.cast<py::array>();
-    expect_shape(ba, "bias", {Fout});
-    bp = contiguous_ptr<T>(ba, "bias", false);
+  if (const auto ba = optional_array(b, "bias")) {
+    expect_shape(*ba, "bias", {Fout});
+    bp = contiguous_ptr<T>(*ba, "bias", false);
   }
   T* yp = contiguous_ptr<T>(y, "out", true);
   const T *xp = contiguous_ptr<T>(x, "input", false), *wp = contiguous_ptr<T>(w, "weight", false);
@@ -210,15 +249,13 @@ void linear_backward_t(const py::object& dx, const py::array& dw, const py::obje
   expect_shape(dy, "grad_output", {M, Fout});
   expect_shape(dw, "grad_weight", {Fout, Fin});
   T *dxp = nullptr, *dbp = nullptr;
-  if (!dx.is_none()) {
-    const auto a = dx.cast<py::array>();
-    expect_shape(a, "grad_input", {M, Fin});
-    dxp = contiguous_ptr<T>(a, "grad_input", true);
+  if (const auto a = optional_array(dx, "grad_input")) {
+    expect_shape(*a, "grad_input", {M, Fin});
+    dxp = contiguous_ptr<T>(*a, "grad_input", true);
   }
-  if (!db.is_none()) {
-    const auto a = db.cast<py::array>();
-    expect_shape(a, "grad_bias", {Fout});
-    dbp = contiguous_ptr<T>(a, "grad_bias", true);
+  if (const auto a = optional_array(db, "grad_bias")) {
+    expect_shape(*a, "grad_bias", {Fout});
+    dbp = contiguous_ptr<T>(*a, "grad_bias", true);
   }
   T* dwp = contiguous_ptr<T>(dw, "grad_weight", true);
   const T *dyp = contiguous_ptr<T>(dy, "grad_output", false), *xp = contiguous_ptr<T>(x, "input", false);
@@ -251,18 +288,13 @@ void expect_size(const py::array& a, const char* name, py::ssize_t n) {
                           shape_str(a));
 }
 
-const int64_t* index_ptr(const py::array& a, const char* name) {
-  if (!a.dtype().is(py::dtype::of<int64_t>()) || !(a.flags() & py::array::c_style))
-    throw py::type_error(std::string(name) + ": expected a C-contiguous int64 array");
-  return static_cast<const int64_t*>(a.data());
-}
-
-// The indices of `a` (C-contiguous int64), each in [0, size) or equal to *allowed when given, else IndexError.
-const int64_t* index_ptr(const py::array& a, const char* name, int64_t size, const int64_t* allowed = nullptr) {
-  const int64_t* idx = index_ptr(a, name);
-  for (py::ssize_t i = 0; i < a.size(); ++i)
-    if ((idx[i] < 0 || idx[i] >= size) && !(allowed && idx[i] == *allowed))
-      throw py::index_error(std::string(name) + ": value " + std::to_string(idx[i]) + " out of range [0, " +
+// A copy of the indices of `a` (C-contiguous int64), each in [0, size) or equal to *allowed when given, else
+// IndexError.
+std::vector<int64_t> indices(const py::array& a, const char* name, int64_t size, const int64_t* allowed = nullptr) {
+  auto idx = int64_copy(a, name);
+  for (const int64_t i : idx)
+    if ((i < 0 || i >= size) && !(allowed && i == *allowed))
+      throw py::index_error(std::string(name) + ": value " + std::to_string(i) + " out of range [0, " +
                             std::to_string(size) + ")");
   return idx;
 }
@@ -287,11 +319,16 @@ class Parameter {
     return py::array(dtype_, shape_, {}, grad ? grad_.get() : data_.get(), self);
   }
   void assign(const py::object& self, const py::object& value, bool grad) {
+    const std::string name = grad ? "grad" : "data";
     py::array dst = view(self, grad);
-    py::array src = py::array::ensure(value);
-    if (!src) throw py::type_error("expected an array");
+    py::array src = py::array::ensure(value);  // (arrays, and lists of numbers)
+    const char kind = src ? src.dtype().kind() : 'O';
+    if (kind != 'f' && kind != 'i' && kind != 'u' && kind != 'b')
+      throw py::type_error(name + ": expected an array of real numbers, got " +
+                           (py::isinstance<py::array>(value) ? std::string(py::str(src.dtype()))
+                                                             : std::string(py::str(value.get_type().attr("__name__")))));
     if (src.ndim() != dst.ndim() || !std::equal(shape_.begin(), shape_.end(), src.shape()))
-      throw py::value_error("expected shape " + shape_str(dst) + ", got " + shape_str(src));
+      throw py::value_error(name + ": expected shape " + shape_str(dst) + ", got " + shape_str(src));
     py::module_::import("numpy").attr("copyto")(dst, src, py::arg("casting") = "same_kind");
   }
   const std::vector<py::ssize_t>& shape() const { return shape_; }
@@ -310,9 +347,11 @@ class Parameter {
 PYBIND11_MODULE(_core, m) {
   m.doc() = "attnpp's C++ core. Use attnpp.functional and attnpp.nn instead of calling this directly.";
 
-  m.def("set_num_threads", [](int n) {
-    if (n < 1) throw py::value_error("set_num_threads: n must be >= 1, got " + std::to_string(n));
-    thread_count_setting() = n;
+  m.def("set_num_threads", [](int64_t n) {
+    if (n < 1 || n > kMaxThreads)
+      throw py::value_error("set_num_threads: n must be in [1, " + std::to_string(kMaxThreads) + "], got " +
+                            std::to_string(n));
+    thread_count_setting() = int(n);
   });
   m.def("get_num_threads", []() { return thread_count(); });
 
@@ -355,6 +394,9 @@ PYBIND11_MODULE(_core, m) {
   m.def(
       "empty",
       [](const std::vector<py::ssize_t>& shape, const py::dtype& dtype) {
+        const char kind = dtype.kind();  // numbers only: objects (and records holding them) need initialized memory
+        if (std::string("biufc").find(kind) == std::string::npos || dtype.has_fields())
+          throw py::type_error("empty: expected a numeric dtype, got " + std::string(py::str(dtype)));
         std::size_t bytes = dtype.itemsize();
         for (const auto s : shape) {
           if (s < 0) throw py::value_error("empty: negative dimension in shape");
@@ -403,9 +445,9 @@ PYBIND11_MODULE(_core, m) {
       expect_shape(out, "out", {N, E});
       T* o = contiguous_ptr<T>(out, "out", true);
       const T* w = contiguous_ptr<T>(weight, "weight", false);
-      const int64_t* idx = index_ptr(index, "input", weight.shape(0));
+      const auto idx = indices(index, "input", weight.shape(0));
       py::gil_scoped_release release;
-      embedding_forward<T>(o, idx, w, N, E);
+      embedding_forward<T>(o, idx.data(), w, N, E);
     });
   });
   m.def("embedding_backward", [](const py::array& dweight, const py::array& dout, const py::array& index) {
@@ -416,9 +458,9 @@ PYBIND11_MODULE(_core, m) {
       expect_shape(dout, "grad_output", {N, E});
       T* dw = contiguous_ptr<T>(dweight, "grad_weight", true);
       const T* g = contiguous_ptr<T>(dout, "grad_output", false);
-      const int64_t* idx = index_ptr(index, "input", dweight.shape(0));
+      const auto idx = indices(index, "input", dweight.shape(0));
       py::gil_scoped_release release;
-      embedding_backward<T>(dw, g, idx, N, E);
+      embedding_backward<T>(dw, g, idx.data(), N, E);
     });
   });
   m.def("cross_entropy_forward", [](const py::array& losses, const py::array& stats, const py::array& input,
@@ -433,9 +475,9 @@ PYBIND11_MODULE(_core, m) {
       expect_shape(target, "target", {N});
       T *l = contiguous_ptr<T>(losses, "losses", true), *s = contiguous_ptr<T>(stats, "stats", true);
       const T* x = contiguous_ptr<T>(input, "input", false);
-      const int64_t* tg = index_ptr(target, "target", C, &ignore_index);
+      const auto tg = indices(target, "target", C, &ignore_index);
       py::gil_scoped_release release;
-      cross_entropy_forward<T>(l, s, x, tg, N, C, ignore_index);
+      cross_entropy_forward<T>(l, s, x, tg.data(), N, C, ignore_index);
     });
   });
   m.def("cross_entropy_backward", [](const py::array& dinput, const py::array& row_weight, const py::array& stats,
@@ -449,15 +491,18 @@ PYBIND11_MODULE(_core, m) {
       expect_shape(stats, "stats", {N, 2});
       expect_shape(target, "target", {N});
       T* d = contiguous_ptr<T>(dinput, "grad_input", true);
-      const T *w = contiguous_ptr<T>(row_weight, "row_weight", false), *s = contiguous_ptr<T>(stats, "stats", false);
+      const T* s = contiguous_ptr<T>(stats, "stats", false);
       const T* x = contiguous_ptr<T>(input, "input", false);
-      const int64_t* tg = index_ptr(target, "target");
-      for (int64_t i = 0; i < N; ++i)  // rows of weight 0 (ignored) are not read
+      // copies (see int64_copy): the targets of rows of nonzero weight are written to, the others not read
+      const T* wp = contiguous_ptr<T>(row_weight, "row_weight", false);
+      const std::vector<T> w(wp, wp + N);
+      const auto tg = int64_copy(target, "target");
+      for (int64_t i = 0; i < N; ++i)
         if (w[i] != T(0) && (tg[i] < 0 || tg[i] >= C))
           throw py::index_error("target: value " + std::to_string(tg[i]) + " out of range [0, " +
                                 std::to_string(C) + ") on a row of nonzero weight");
       py::gil_scoped_release release;
-      cross_entropy_backward<T>(d, w, s, x, tg, N, C);
+      cross_entropy_backward<T>(d, w.data(), s, x, tg.data(), N, C);
     });
   });
   m.def("sgd_step", [](const py::array& param, const py::array& grad, const py::object& buf, double lr,
@@ -466,10 +511,9 @@ PYBIND11_MODULE(_core, m) {
       using T = typename decltype(t)::type;
       expect_size(grad, "grad", param.size());
       T* b = nullptr;
-      if (!buf.is_none()) {
-        const auto ba = buf.cast<py::array>();
-        expect_size(ba, "momentum_buffer", param.size());
-        b = contiguous_ptr<T>(ba, "momentum_buffer", true);
+      if (const auto ba = optional_array(buf, "momentum_buffer")) {
+        expect_size(*ba, "momentum_buffer", param.size());
+        b = contiguous_ptr<T>(*ba, "momentum_buffer", true);
       } else if (momentum != 0) {
         throw py::value_error("momentum_buffer: required when momentum != 0");
       }

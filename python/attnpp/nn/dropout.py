@@ -26,9 +26,11 @@ class Dropout(Module):
 
     def forward(self, input, *, seed=None):
         F.check_array(input, "input")
-        self.last_seed = check_seed(seed) if self.training and self.p > 0 else None
-        self._ctx = dict(out_shape=input.shape, dtype=input.dtype, seed=self.last_seed)
-        return F.dropout(input, self.p, self.last_seed is not None, seed=self.last_seed)
+        seed = check_seed(seed) if self.training and self.p > 0 else None
+        out = F.dropout(input, self.p, seed is not None, seed=seed)  # (state changes only once this succeeded)
+        self.last_seed = seed
+        self._ctx = dict(out_shape=input.shape, dtype=input.dtype, seed=seed)
+        return out
 
     def backward(self, grad_output):
         seed = self._consume_context(grad_output)["seed"]  # (not last_seed: another thread may have run since)

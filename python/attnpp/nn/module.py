@@ -1,6 +1,7 @@
 """The layer base class: parameters, gradients, modes and state dicts, as in torch.nn.Module."""
 import functools
 import threading
+from collections.abc import Mapping
 
 import numpy as np
 
@@ -189,8 +190,11 @@ class Module:
 
         Raises:
             ValueError: missing or unexpected keys (when strict), or a value of another shape.
-            TypeError: a value that is not an array or tensor, or not of a floating dtype.
+            TypeError: a state_dict that is not a mapping, a value that is not an array or tensor, or not of a
+            floating dtype.
         """
+        if not isinstance(state_dict, Mapping):
+            raise TypeError(f"state_dict: expected a mapping of names to arrays, got {type(state_dict).__name__}")
         own = dict(self._named_state())
         missing = [k for k in own if k not in state_dict]
         unexpected = [k for k in state_dict if k not in own]
