@@ -1,8 +1,10 @@
 """Bad input raises ValueError or TypeError whose message names the argument and the shapes (DESIGN.md).
 
-Table-driven: each case is (callable, expected exception type, words that must all appear in the message).
-The layer cases also check that a failed call leaves the layer as it was: same parameters, and a valid
-forward + backward afterwards gives the same answer as a fresh layer with the same state.
+Table-driven, one table per function or layer: each case is (id, the call, expected exception type, words that
+must all appear in the message). IndexError only for indices out of range (embedding ids, cross-entropy
+targets), MemoryError for requests too large to allocate (then the library must still work). The layer cases
+also check that a failed call leaves the layer as it was: same parameters and gradients, and a valid forward +
+backward afterwards gives the same answer as a fresh layer with the same state.
 """
 import re
 
@@ -11,7 +13,8 @@ import pytest
 
 import attnpp
 import attnpp.functional as AF
-from attnpp.nn import Linear, MultiheadAttention
+from attnpp.nn import Attention, CrossEntropyLoss, Dropout, Embedding, Linear, MultiheadAttention
+from attnpp.optim import SGD, AdamW
 
 
 def words(*ws):
@@ -21,6 +24,14 @@ def words(*ws):
 
 def randn(*shape, dtype=np.float64, seed=0):
     return np.random.default_rng(seed).standard_normal(shape).astype(dtype)
+
+
+def cases(table):
+    """pytest.param's of a table's rows (id first)."""
+    return [pytest.param(*row[1:], id=row[0]) for row in table]
+
+
+HUGE = 10 ** 15  # a broadcast batch this long costs nothing to pass, but any copy of it is > 1 PB
 
 
 # --------------------------------------------------------------------------------------------- functional SDPA
@@ -121,6 +132,46 @@ SDPA_BAD = [
     ("gqa_value_heads_differ", lambda: (_q(shape=(2, 4, 3, 4)), _k(shape=(2, 2, 5, 4)), _v(shape=(2, 1, 5, 6)),
                                         dict(enable_gqa=True)),
      ValueError, ["enable_gqa", "value", "(2, 2, 5, 4)", "(2, 1, 5, 6)"], True),
+    ("query_none", lambda: (None, _k(), _v(), {}), TypeError, ["query", "ndarray", "NoneType"], False),
+    ("key_none", lambda: (_q(), None, _v(), {}), TypeError, ["key", "ndarray", "NoneType"], False),
+    ("value_none", lambda: (_q(), _k(), None, {}), TypeError, ["value", "ndarray", "NoneType"], True),
+    ("query_scalar", lambda: (1.0, _k(), _v(), {}), TypeError, ["query", "ndarray", "float"], False),
+    ("query_0d", lambda: (np.array(1.0), _k(), _v(), {}), ValueError, ["query", "2", "()"], False),
+    ("object_inputs", lambda: (_q().astype(object), _k().astype(object), _v().astype(object), {}), TypeError,
+     ["query", "object"], False),
+    ("bool_key", lambda: (_q(), _k() > 0, _v(), {}), TypeError, ["key", "bool"], False),
+    ("complex_value", lambda: (_q(), _k(), _v(np.complex128), {}), TypeError, ["value", "complex128"], True),
+    ("float16_value", lambda: (_q(), _k(), _v(np.float16), {}), TypeError, ["value", "float16"], True),
+    ("int_value", lambda: (_q(), _k(), _v(np.int64), {}), TypeError, ["value", "int64"], True),
+    ("value_2d_for_4d", lambda: (_q(), _k(), _v(shape=(4, 6)), {}), ValueError,
+     ["key", "value", "(2, 2, 5, 4)", "(4, 6)"], True),
+    ("attn_mask_float16", lambda: (_q(), _k(), _v(), dict(attn_mask=np.zeros((3, 5), np.float16))), TypeError,
+     ["attn_mask", "float16"], False),
+    ("attn_mask_complex", lambda: (_q(), _k(), _v(), dict(attn_mask=np.zeros((3, 5), complex))), TypeError,
+     ["attn_mask", "complex128"], False),
+    ("attn_mask_object", lambda: (_q(), _k(), _v(), dict(attn_mask=np.zeros((3, 5), object))), TypeError,
+     ["attn_mask", "object"], False),
+    ("attn_mask_python_bool", lambda: (_q(), _k(), _v(), dict(attn_mask=True)), TypeError, ["attn_mask", "bool"],
+     False),
+    ("attn_mask_1d", lambda: (_q(), _k(), _v(), dict(attn_mask=np.ones(5, bool))), ValueError,
+     ["attn_mask", "(5,)"], False),
+    ("attn_mask_0d", lambda: (_q(), _k(), _v(), dict(attn_mask=np.array(True))), ValueError, ["attn_mask", "()"],
+     False),
+    ("attn_mask_transposed", lambda: (_q(), _k(), _v(), dict(attn_mask=np.ones((5, 3), bool))), ValueError,
+     ["attn_mask", "(5, 3)", "(2, 2, 3, 5)"], False),
+    ("is_causal_str", lambda: (_q(), _k(), _v(), dict(is_causal="yes")), TypeError, ["is_causal", "bool", "str"],
+     False),
+    ("enable_gqa_none", lambda: (_q(), _k(), _v(), dict(enable_gqa=None)), TypeError,
+     ["enable_gqa", "bool", "NoneType"], False),
+    ("seed_str", lambda: (_q(), _k(), _v(), dict(dropout_p=0.1, seed="x")), TypeError, ["seed", "str"], False),
+    ("seed_float", lambda: (_q(), _k(), _v(), dict(dropout_p=0.1, seed=1.5)), TypeError, ["seed", "float"], False),
+    ("dropout_p_nan", lambda: (_q(), _k(), _v(), dict(dropout_p=float("nan"), seed=0)), ValueError,
+     ["dropout_p", "nan"], False),
+    ("dropout_p_none", lambda: (_q(), _k(), _v(), dict(dropout_p=None)), TypeError, ["dropout_p", "NoneType"],
+     False),
+    ("scale_complex", lambda: (_q(), _k(), _v(), dict(scale=1j)), TypeError, ["scale", "complex"], False),
+    ("gqa_unbatched", lambda: (_q(shape=(3, 4)), _k(shape=(5, 4)), _v(shape=(5, 6)), dict(enable_gqa=True)),
+     ValueError, ["enable_gqa", "heads"], False),
 ]
 
 SDPA_BAD_PARAMS = [
@@ -140,15 +191,28 @@ def test_sdpa_bad_input(kind, build, exc, ws):
 
 SDPA_BACKWARD_BAD = [
     ("dropout_without_seed", dict(dropout_p=0.3), ValueError, ["seed", "dropout_p"]),
+    ("dropout_seed_str", dict(dropout_p=0.3, seed="x"), TypeError, ["seed", "str"]),
     ("grad_output_shape", dict(grad_output=np.ones((2, 2, 3, 5))), ValueError,
      ["grad_output", "(2, 2, 3, 6)", "(2, 2, 3, 5)"]),
     ("grad_output_transposed", dict(grad_output=np.ones((2, 2, 6, 3))), ValueError,
      ["grad_output", "(2, 2, 3, 6)", "(2, 2, 6, 3)"]),
+    ("grad_output_unbatched", dict(grad_output=np.ones((3, 6))), ValueError,
+     ["grad_output", "(2, 2, 3, 6)", "(3, 6)"]),
     ("grad_output_dtype", dict(grad_output=np.ones(OUT_SHAPE, np.float32)), TypeError,
      ["grad_output", "float32", "float64"]),
+    ("grad_output_int", dict(grad_output=np.ones(OUT_SHAPE, np.int64)), TypeError, ["grad_output", "int64"]),
+    ("grad_output_complex", dict(grad_output=np.ones(OUT_SHAPE, complex)), TypeError,
+     ["grad_output", "complex128"]),
     ("grad_output_list", dict(grad_output=np.ones(OUT_SHAPE).tolist()), TypeError, ["grad_output", "list"]),
+    ("grad_output_none", dict(grad_output=None), TypeError, ["grad_output", "NoneType"]),
     ("output_shape", dict(output=np.zeros((2, 2, 3, 4))), ValueError, ["output", "(2, 2, 3, 6)", "(2, 2, 3, 4)"]),
+    ("output_dtype", dict(output=np.zeros(OUT_SHAPE, np.float32)), TypeError, ["output", "float32", "float64"]),
+    ("output_list", dict(output=np.zeros(OUT_SHAPE).tolist()), TypeError, ["output", "list"]),
     ("logsumexp_shape", dict(logsumexp=np.zeros((2, 2, 5))), ValueError, ["logsumexp", "(2, 2, 3)", "(2, 2, 5)"]),
+    ("logsumexp_dtype", dict(logsumexp=np.zeros(LSE_SHAPE, np.float32)), TypeError,
+     ["logsumexp", "float32", "float64"]),
+    ("logsumexp_int", dict(logsumexp=np.zeros(LSE_SHAPE, np.int64)), TypeError, ["logsumexp", "int64"]),
+    ("logsumexp_none", dict(logsumexp=None), TypeError, ["logsumexp", "NoneType"]),
 ]
 
 
@@ -158,15 +222,29 @@ def test_sdpa_backward_bad_input(cid, kw, exc, ws):
         _sdpa_call("backward", _q(), _k(), _v(), **kw)()
 
 
-def test_sdpa_weights_bad_logsumexp():
-    with pytest.raises(ValueError, match=words("logsumexp", "(2, 2, 3)", "(2, 3)")):
-        AF.scaled_dot_product_attention_weights(_q(), _k(), logsumexp=np.zeros((2, 3)))
+SDPA_WEIGHTS_BAD = [
+    ("logsumexp_shape", lambda: AF.scaled_dot_product_attention_weights(_q(), _k(), logsumexp=np.zeros((2, 3))),
+     ValueError, ["logsumexp", "(2, 2, 3)", "(2, 3)"]),
+    ("logsumexp_transposed",
+     lambda: AF.scaled_dot_product_attention_weights(_q(), _k(), logsumexp=np.zeros((3, 2, 2))), ValueError,
+     ["logsumexp", "(2, 2, 3)", "(3, 2, 2)"]),
+    ("logsumexp_float32",
+     lambda: AF.scaled_dot_product_attention_weights(_q(), _k(), logsumexp=np.zeros(LSE_SHAPE, np.float32)),
+     TypeError, ["logsumexp", "float32", "float64"]),
+    ("logsumexp_int",
+     lambda: AF.scaled_dot_product_attention_weights(_q(), _k(), logsumexp=np.zeros(LSE_SHAPE, np.int64)),
+     TypeError, ["logsumexp", "int64"]),
+    ("logsumexp_list", lambda: AF.scaled_dot_product_attention_weights(_q(), _k(), logsumexp=[0.0] * 12),
+     TypeError, ["logsumexp", "list"]),
+    ("value_passed_as_attn_mask", lambda: AF.scaled_dot_product_attention_weights(_q(), _k(), _v()), ValueError,
+     ["attn_mask", "(2, 2, 5, 6)", "(2, 2, 3, 5)"]),
+]
 
 
-@pytest.mark.parametrize("p", [-0.1, 1.0, 1.5], ids=["-0.1", "1.0", "1.5"])
-def test_dropout_mask_bad_p(p):
-    with pytest.raises(ValueError, match=words("p", "[0, 1)", repr(p))):
-        AF.dropout_mask((2, 3), p, 0)
+@pytest.mark.parametrize("call, exc, ws", cases(SDPA_WEIGHTS_BAD))
+def test_sdpa_weights_bad_input(call, exc, ws):
+    with pytest.raises(exc, match=words(*ws)):
+        call()
 
 
 def test_sdpa_bad_input_leaves_inputs_untouched():
@@ -178,37 +256,553 @@ def test_sdpa_bad_input_leaves_inputs_untouched():
         np.testing.assert_array_equal(x, c)
 
 
+# ------------------------------------------------------------------------------------------------ dropout_mask
+DROPOUT_MASK_BAD = [
+    ("p_negative", lambda: AF.dropout_mask((2, 3), -0.1, 0), ValueError, ["p", "[0, 1)", "-0.1"]),
+    ("p_one", lambda: AF.dropout_mask((2, 3), 1.0, 0), ValueError, ["p", "[0, 1)", "1.0"]),
+    ("p_above_one", lambda: AF.dropout_mask((2, 3), 1.5, 0), ValueError, ["p", "[0, 1)", "1.5"]),
+    ("p_none", lambda: AF.dropout_mask((2, 3), None, 0), TypeError, ["p", "NoneType"]),
+    ("p_str", lambda: AF.dropout_mask((2, 3), "0.1", 0), TypeError, ["p", "str"]),
+    ("shape_int", lambda: AF.dropout_mask(6, 0.1, 0), TypeError, ["shape", "tuple", "int"]),
+    ("shape_none", lambda: AF.dropout_mask(None, 0.1, 0), TypeError, ["shape", "NoneType"]),
+    ("shape_str", lambda: AF.dropout_mask("23", 0.1, 0), TypeError, ["shape", "str"]),
+    ("shape_0d_array", lambda: AF.dropout_mask(np.array(6), 0.1, 0), TypeError, ["shape", "ndarray"]),
+    ("shape_negative", lambda: AF.dropout_mask((2, -1), 0.1, 0), ValueError, ["shape", "(2, -1)"]),
+    ("shape_float", lambda: AF.dropout_mask((2, 1.5), 0.1, 0), TypeError, ["shape", "(2, 1.5)", "float"]),
+    ("shape_bool", lambda: AF.dropout_mask((True, 2), 0.1, 0), TypeError, ["shape", "bool"]),
+    ("seed_str", lambda: AF.dropout_mask((2, 3), 0.1, "x"), TypeError, ["seed", "str"]),
+    ("seed_float", lambda: AF.dropout_mask((2, 3), 0.1, 1.5), TypeError, ["seed", "float"]),
+]
+
+
+@pytest.mark.parametrize("call, exc, ws", cases(DROPOUT_MASK_BAD))
+def test_dropout_mask_bad_input(call, exc, ws):
+    with pytest.raises(exc, match=words(*ws)):
+        call()
+
+
+# ------------------------------------------------------------------------------------- linear, linear_backward
+# linear(input (2, 4), weight (3, 4), bias (3,)); linear_backward accumulates into GRAD_W (3, 4), GRAD_B (3,)
+FX, FW, FB, FGY = randn(2, 4, seed=30), randn(3, 4, seed=31), randn(3, seed=32), randn(2, 3, seed=33)
+GRAD_W, GRAD_B = np.zeros((3, 4)), np.zeros(3)
+
+
+def _linb(grad_output=FGY, input=FX, weight=FW, grad_weight=GRAD_W, grad_bias=GRAD_B):
+    return lambda: AF.linear_backward(grad_output, input, weight, grad_weight, grad_bias)
+
+
+def _readonly(a):
+    a = a.copy()
+    a.flags.writeable = False
+    return a
+
+
+LINEAR_F_BAD = [
+    ("input_list", lambda: AF.linear(FX.tolist(), FW), TypeError, ["input", "ndarray", "list"]),
+    ("input_none", lambda: AF.linear(None, FW), TypeError, ["input", "NoneType"]),
+    ("input_scalar", lambda: AF.linear(1.0, FW), TypeError, ["input", "float"]),
+    ("input_0d", lambda: AF.linear(np.array(1.0), FW), ValueError, ["input", "1", "()"]),
+    ("input_int", lambda: AF.linear(FX.astype(np.int64), FW), TypeError, ["input", "int64"]),
+    ("input_bool", lambda: AF.linear(FX > 0, FW), TypeError, ["input", "bool"]),
+    ("input_complex", lambda: AF.linear(FX.astype(complex), FW), TypeError, ["input", "complex128"]),
+    ("input_object", lambda: AF.linear(FX.astype(object), FW), TypeError, ["input", "object"]),
+    ("input_float16", lambda: AF.linear(FX.astype(np.float16), FW), TypeError, ["input", "float16"]),
+    ("mixed_float32_input", lambda: AF.linear(FX.astype(np.float32), FW), TypeError,
+     ["weight", "float32", "float64"]),
+    ("mixed_float32_weight", lambda: AF.linear(FX, FW.astype(np.float32)), TypeError,
+     ["weight", "float32", "float64"]),
+    ("in_features_mismatch", lambda: AF.linear(randn(2, 5), FW), ValueError, ["input", "(2, 5)", "(3, 4)"]),
+    ("weight_1d", lambda: AF.linear(FX, FW[0]), ValueError, ["weight", "2", "(4,)"]),
+    ("weight_3d", lambda: AF.linear(FX, FW[None]), ValueError, ["weight", "2", "(1, 3, 4)"]),
+    ("weight_list", lambda: AF.linear(FX, FW.tolist()), TypeError, ["weight", "list"]),
+    ("weight_none", lambda: AF.linear(FX, None), TypeError, ["weight", "NoneType"]),
+    ("bias_shape", lambda: AF.linear(FX, FW, np.zeros(4)), ValueError, ["bias", "(3,)", "(4,)"]),
+    ("bias_2d", lambda: AF.linear(FX, FW, np.zeros((1, 3))), ValueError, ["bias", "1", "(1, 3)"]),
+    ("bias_float32", lambda: AF.linear(FX, FW, FB.astype(np.float32)), TypeError, ["bias", "float32", "float64"]),
+    ("bias_int", lambda: AF.linear(FX, FW, np.zeros(3, np.int64)), TypeError, ["bias", "int64"]),
+    ("bias_list", lambda: AF.linear(FX, FW, [0.0] * 3), TypeError, ["bias", "list"]),
+    ("backward-grad_output_shape", _linb(grad_output=randn(2, 4)), ValueError,
+     ["grad_output", "(2, 3)", "(2, 4)"]),
+    ("backward-grad_output_transposed", _linb(grad_output=randn(3, 2)), ValueError,
+     ["grad_output", "(2, 3)", "(3, 2)"]),
+    ("backward-grad_output_float32", _linb(grad_output=FGY.astype(np.float32)), TypeError,
+     ["grad_output", "float32", "float64"]),
+    ("backward-grad_output_int", _linb(grad_output=FGY.astype(np.int64)), TypeError, ["grad_output", "int64"]),
+    ("backward-grad_output_list", _linb(grad_output=FGY.tolist()), TypeError, ["grad_output", "list"]),
+    ("backward-grad_output_none", _linb(grad_output=None), TypeError, ["grad_output", "NoneType"]),
+    ("backward-input_mismatch", _linb(input=randn(2, 5)), ValueError, ["input", "(2, 5)", "(3, 4)"]),
+    ("backward-input_0d", _linb(input=np.array(1.0)), ValueError, ["input", "()"]),
+    ("backward-input_int", _linb(input=FX.astype(np.int64)), TypeError, ["input", "int64"]),
+    ("backward-weight_1d", _linb(weight=FW[0]), ValueError, ["weight", "(4,)"]),
+    ("backward-weight_float32", _linb(weight=FW.astype(np.float32)), TypeError, ["weight", "float32", "float64"]),
+    ("backward-grad_weight_shape", _linb(grad_weight=np.zeros((4, 3))), ValueError,
+     ["grad_weight", "(3, 4)", "(4, 3)"]),
+    ("backward-grad_weight_float32", _linb(grad_weight=np.zeros((3, 4), np.float32)), TypeError,
+     ["grad_weight", "float32", "float64"]),
+    ("backward-grad_weight_list", _linb(grad_weight=[[0.0] * 4] * 3), TypeError, ["grad_weight", "list"]),
+    ("backward-grad_weight_none", _linb(grad_weight=None), TypeError, ["grad_weight", "NoneType"]),
+    ("backward-grad_weight_fortran", _linb(grad_weight=np.zeros((3, 4), order="F")), ValueError,
+     ["grad_weight", "C-contiguous"]),
+    ("backward-grad_weight_readonly", _linb(grad_weight=_readonly(GRAD_W)), ValueError,
+     ["grad_weight", "writeable"]),
+    ("backward-grad_bias_shape", _linb(grad_bias=np.zeros(4)), ValueError, ["grad_bias", "(3,)", "(4,)"]),
+    ("backward-grad_bias_float32", _linb(grad_bias=np.zeros(3, np.float32)), TypeError,
+     ["grad_bias", "float32", "float64"]),
+    ("backward-grad_bias_list", _linb(grad_bias=[0.0] * 3), TypeError, ["grad_bias", "list"]),
+]
+
+
+@pytest.mark.parametrize("call, exc, ws", cases(LINEAR_F_BAD))
+def test_linear_functional_bad_input(call, exc, ws):
+    with pytest.raises(exc, match=words(*ws)):
+        call()
+    assert not GRAD_W.any() and not GRAD_B.any(), "a refused backward wrote into the gradient buffers"
+    np.testing.assert_allclose(AF.linear(FX, FW, FB), FX @ FW.T + FB, rtol=1e-12)
+
+
+# ------------------------------------------------------------------------------------ dropout, dropout_backward
+DX = randn(2, 4, seed=40)
+
+DROPOUT_F_BAD = [
+    ("input_none", lambda: AF.dropout(None, 0.1, seed=0), TypeError, ["input", "NoneType"]),
+    ("input_list", lambda: AF.dropout(DX.tolist(), 0.1, seed=0), TypeError, ["input", "list"]),
+    ("input_scalar", lambda: AF.dropout(1.0, 0.1, seed=0), TypeError, ["input", "float"]),
+    ("input_int", lambda: AF.dropout(DX.astype(np.int64), 0.1, seed=0), TypeError, ["input", "int64"]),
+    ("input_bool", lambda: AF.dropout(DX > 0, 0.1, seed=0), TypeError, ["input", "bool"]),
+    ("input_complex", lambda: AF.dropout(DX.astype(complex), 0.1, seed=0), TypeError, ["input", "complex128"]),
+    ("input_object", lambda: AF.dropout(DX.astype(object), 0.1, seed=0), TypeError, ["input", "object"]),
+    ("input_float16", lambda: AF.dropout(DX.astype(np.float16), 0.1, seed=0), TypeError, ["input", "float16"]),
+    ("p_one", lambda: AF.dropout(DX, 1.0, seed=0), ValueError, ["p", "1.0"]),
+    ("p_negative", lambda: AF.dropout(DX, -0.5, seed=0), ValueError, ["p", "-0.5"]),
+    ("p_none", lambda: AF.dropout(DX, None, seed=0), TypeError, ["p", "NoneType"]),
+    ("p_str", lambda: AF.dropout(DX, "0.1", seed=0), TypeError, ["p", "str"]),
+    ("training_str", lambda: AF.dropout(DX, 0.1, training="no", seed=0), TypeError, ["training", "bool", "str"]),
+    ("seed_str", lambda: AF.dropout(DX, 0.1, seed="x"), TypeError, ["seed", "str"]),
+    ("seed_float", lambda: AF.dropout(DX, 0.1, seed=2.5), TypeError, ["seed", "float"]),
+    ("backward-grad_output_none", lambda: AF.dropout_backward(None, 0.1, 0), TypeError,
+     ["grad_output", "NoneType"]),
+    ("backward-grad_output_list", lambda: AF.dropout_backward(DX.tolist(), 0.1, 0), TypeError,
+     ["grad_output", "list"]),
+    ("backward-grad_output_int", lambda: AF.dropout_backward(DX.astype(np.int64), 0.1, 0), TypeError,
+     ["grad_output", "int64"]),
+    ("backward-p_one", lambda: AF.dropout_backward(DX, 1.0, 0), ValueError, ["p", "1.0"]),
+    ("backward-seed_none", lambda: AF.dropout_backward(DX, 0.1, None), ValueError, ["seed", "None", "forward"]),
+    ("backward-seed_str", lambda: AF.dropout_backward(DX, 0.1, "x"), TypeError, ["seed", "str"]),
+]
+
+
+@pytest.mark.parametrize("call, exc, ws", cases(DROPOUT_F_BAD))
+def test_dropout_functional_bad_input(call, exc, ws):
+    with pytest.raises(exc, match=words(*ws)):
+        call()
+
+
+# -------------------------------------------------------------------------------- embedding, embedding_backward
+# embedding(input (2, 3) ids in [0, 5), weight (5, 3)); embedding_backward accumulates into GRAD_EW (5, 3)
+EIDX, EW, EGY = np.array([[0, 4, 2], [1, 1, 3]]), randn(5, 3, seed=50), randn(2, 3, 3, seed=51)
+GRAD_EW = np.zeros((5, 3))
+
+
+def _embb(grad_output=EGY, input=EIDX, grad_weight=GRAD_EW):
+    return lambda: AF.embedding_backward(grad_output, input, grad_weight)
+
+
+EMBEDDING_F_BAD = [
+    ("index_negative", lambda: AF.embedding(np.array([0, -1]), EW), IndexError, ["input", "-1", "[0, 5)"]),
+    ("index_equal_V", lambda: AF.embedding(np.array([0, 5]), EW), IndexError, ["input", "5", "[0, 5)"]),
+    ("index_huge_uint64", lambda: AF.embedding(np.array([2 ** 64 - 1], np.uint64), EW), IndexError,
+     ["input", str(2 ** 64 - 1), "[0, 5)"]),
+    ("index_float", lambda: AF.embedding(np.array([0.0, 1.0]), EW), TypeError, ["input", "integer", "float64"]),
+    ("index_bool", lambda: AF.embedding(np.array([True]), EW), TypeError, ["input", "integer", "bool"]),
+    ("index_complex", lambda: AF.embedding(np.array([1j]), EW), TypeError, ["input", "complex128"]),
+    ("index_object", lambda: AF.embedding(np.array([1], object), EW), TypeError, ["input", "object"]),
+    ("index_list", lambda: AF.embedding([0, 1], EW), TypeError, ["input", "ndarray", "list"]),
+    ("index_none", lambda: AF.embedding(None, EW), TypeError, ["input", "NoneType"]),
+    ("index_scalar", lambda: AF.embedding(1, EW), TypeError, ["input", "int"]),
+    ("weight_int", lambda: AF.embedding(EIDX, EW.astype(np.int64)), TypeError, ["weight", "int64"]),
+    ("weight_float16", lambda: AF.embedding(EIDX, EW.astype(np.float16)), TypeError, ["weight", "float16"]),
+    ("weight_1d", lambda: AF.embedding(EIDX, EW[:, 0]), ValueError, ["weight", "2", "(5,)"]),
+    ("weight_3d", lambda: AF.embedding(EIDX, EW[None]), ValueError, ["weight", "2", "(1, 5, 3)"]),
+    ("weight_list", lambda: AF.embedding(EIDX, EW.tolist()), TypeError, ["weight", "list"]),
+    ("weight_none", lambda: AF.embedding(EIDX, None), TypeError, ["weight", "NoneType"]),
+    ("backward-grad_output_shape", _embb(grad_output=randn(2, 3, 4)), ValueError,
+     ["grad_output", "(2, 3, 3)", "(2, 3, 4)"]),
+    ("backward-grad_output_same_size", _embb(grad_output=randn(3, 2, 3)), ValueError,
+     ["grad_output", "(2, 3, 3)", "(3, 2, 3)"]),
+    ("backward-grad_output_float32", _embb(grad_output=EGY.astype(np.float32)), TypeError,
+     ["grad_output", "float32", "float64"]),
+    ("backward-grad_output_list", _embb(grad_output=EGY.tolist()), TypeError, ["grad_output", "list"]),
+    ("backward-grad_output_none", _embb(grad_output=None), TypeError, ["grad_output", "NoneType"]),
+    ("backward-index_negative", _embb(input=np.array([[0, -1, 2], [1, 1, 3]])), IndexError,
+     ["input", "-1", "[0, 5)"]),
+    ("backward-index_equal_V", _embb(input=np.array([[0, 5, 2], [1, 1, 3]])), IndexError,
+     ["input", "5", "[0, 5)"]),
+    ("backward-index_float", _embb(input=EIDX.astype(float)), TypeError, ["input", "float64"]),
+    ("backward-grad_weight_list", _embb(grad_weight=GRAD_EW.tolist()), TypeError, ["grad_weight", "list"]),
+    ("backward-grad_weight_none", _embb(grad_weight=None), TypeError, ["grad_weight", "NoneType"]),
+    ("backward-grad_weight_1d", _embb(grad_weight=np.zeros(15)), ValueError, ["grad_weight", "2", "(15,)"]),
+    ("backward-grad_weight_int", _embb(grad_weight=np.zeros((5, 3), np.int64)), TypeError,
+     ["grad_weight", "int64"]),
+    ("backward-grad_weight_fortran", _embb(grad_weight=np.zeros((5, 3), order="F")), ValueError,
+     ["grad_weight", "C-contiguous"]),
+    ("backward-grad_weight_readonly", _embb(grad_weight=_readonly(GRAD_EW)), ValueError,
+     ["grad_weight", "writeable"]),
+]
+
+
+@pytest.mark.parametrize("call, exc, ws", cases(EMBEDDING_F_BAD))
+def test_embedding_functional_bad_input(call, exc, ws):
+    with pytest.raises(exc, match=words(*ws)):
+        call()
+    assert not GRAD_EW.any(), "a refused backward wrote into the gradient buffer"
+    np.testing.assert_array_equal(AF.embedding(EIDX, EW), EW[EIDX])
+
+
+# ------------------------------------------------------------------- cross_entropy (forward, _forward, _backward)
+# input (3, 4) logits, target (3,) with one ignored row; the backward gets grad_output 1.0 and the valid stats
+CL, CT = randn(3, 4, seed=60), np.array([0, 3, -100])
+_, CSTATS = AF.cross_entropy_forward(CL, CT)
+
+
+def _ce_call(kind, input, target, **kw):
+    if kind == "cross_entropy":
+        return lambda: AF.cross_entropy(input, target, **kw)
+    if kind == "forward":
+        return lambda: AF.cross_entropy_forward(input, target, **kw)
+    grad_output, stats = kw.pop("grad_output", 1.0), kw.pop("stats", CSTATS)
+    return lambda: AF.cross_entropy_backward(grad_output, input, target, stats, **kw)
+
+
+# id, (input, target, kwargs) builder, exception, words
+CE_BAD = [
+    ("target_negative", lambda: (CL, np.array([0, -1, 1]), {}), IndexError, ["target", "-1", "[0, 4)"]),
+    ("target_equal_C", lambda: (CL, np.array([0, 4, 1]), {}), IndexError, ["target", "4", "[0, 4)"]),
+    ("target_ignore_index_other", lambda: (CL, CT, dict(ignore_index=-1)), IndexError,
+     ["target", "-100", "[0, 4)"]),
+    ("target_huge_uint64", lambda: (CL, np.array([0, 2 ** 64 - 1, 1], np.uint64), {}), IndexError,
+     ["target", str(2 ** 64 - 1)]),
+    ("target_float", lambda: (CL, CT.astype(float), {}), TypeError, ["target", "integer", "float64"]),
+    ("target_bool", lambda: (CL, np.array([True, False, True]), {}), TypeError, ["target", "bool"]),
+    ("target_list", lambda: (CL, [0, 1, 1], {}), TypeError, ["target", "list"]),
+    ("target_none", lambda: (CL, None, {}), TypeError, ["target", "NoneType"]),
+    ("target_shape", lambda: (CL, np.array([0, 1]), {}), ValueError, ["target", "(3,)", "(2,)"]),
+    ("target_2d", lambda: (CL, CT[None], {}), ValueError, ["target", "(3,)", "(1, 3)"]),
+    ("target_0d_for_2d_input", lambda: (CL, np.array(1), {}), ValueError, ["target", "(3,)", "()"]),
+    ("target_1d_for_1d_input", lambda: (CL[0], np.array([1]), {}), ValueError, ["target", "()", "(1,)"]),
+    ("input_3d", lambda: (CL[None], CT, {}), ValueError, ["input", "(1, 3, 4)"]),
+    ("input_0d", lambda: (np.array(1.0), np.array(0), {}), ValueError, ["input", "()"]),
+    ("input_int", lambda: (CL.astype(np.int64), CT, {}), TypeError, ["input", "int64"]),
+    ("input_bool", lambda: (CL > 0, CT, {}), TypeError, ["input", "bool"]),
+    ("input_complex", lambda: (CL.astype(complex), CT, {}), TypeError, ["input", "complex128"]),
+    ("input_object", lambda: (CL.astype(object), CT, {}), TypeError, ["input", "object"]),
+    ("input_float16", lambda: (CL.astype(np.float16), CT, {}), TypeError, ["input", "float16"]),
+    ("input_list", lambda: (CL.tolist(), CT, {}), TypeError, ["input", "list"]),
+    ("input_none", lambda: (None, CT, {}), TypeError, ["input", "NoneType"]),
+    ("reduction_unknown", lambda: (CL, CT, dict(reduction="avg")), ValueError, ["reduction", "'avg'"]),
+    ("reduction_none_object", lambda: (CL, CT, dict(reduction=None)), ValueError, ["reduction", "None"]),
+    ("ignore_index_str", lambda: (CL, CT, dict(ignore_index="x")), TypeError, ["ignore_index", "int", "str"]),
+    ("ignore_index_float", lambda: (CL, CT, dict(ignore_index=-100.0)), TypeError,
+     ["ignore_index", "int", "float"]),
+    ("ignore_index_none", lambda: (CL, CT, dict(ignore_index=None)), TypeError, ["ignore_index", "NoneType"]),
+    ("ignore_index_huge", lambda: (CL, CT, dict(ignore_index=2 ** 70)), ValueError,
+     ["ignore_index", "int64", str(2 ** 70)]),
+]
+
+CE_BAD_PARAMS = [pytest.param(kind, build, exc, ws, id=f"{kind}-{cid}") for cid, build, exc, ws in CE_BAD
+                 for kind in ("cross_entropy", "forward", "backward")]
+
+
+@pytest.mark.parametrize("kind, build, exc, ws", CE_BAD_PARAMS)
+def test_cross_entropy_bad_input(kind, build, exc, ws):
+    input, target, kw = build()
+    with pytest.raises(exc, match=words(*ws)):
+        _ce_call(kind, input, target, **kw)()
+
+
+CE_BACKWARD_BAD = [
+    ("grad_output_none", dict(grad_output=None), TypeError, ["grad_output", "NoneType"]),
+    ("grad_output_str", dict(grad_output="1"), TypeError, ["grad_output", "str"]),
+    ("grad_output_bool", dict(grad_output=True), TypeError, ["grad_output", "bool"]),
+    ("grad_output_complex", dict(grad_output=1j), TypeError, ["grad_output", "complex"]),
+    ("grad_output_list", dict(grad_output=[1.0]), TypeError, ["grad_output", "list"]),
+    ("grad_output_shape_mean", dict(grad_output=np.ones(3)), ValueError, ["grad_output", "()", "(3,)"]),
+    ("grad_output_shape_sum", dict(grad_output=np.ones(1), reduction="sum"), ValueError,
+     ["grad_output", "()", "(1,)"]),
+    ("grad_output_shape_none", dict(grad_output=np.ones(2), reduction="none"), ValueError,
+     ["grad_output", "(3,)", "(2,)"]),
+    ("grad_output_scalar_for_none", dict(grad_output=1.0, reduction="none"), ValueError,
+     ["grad_output", "(3,)", "scalar"]),
+    ("grad_output_float32_array", dict(grad_output=np.ones((), np.float32)), TypeError,
+     ["grad_output", "float32", "float64"]),
+    ("grad_output_int_array", dict(grad_output=np.ones(3, np.int64), reduction="none"), TypeError,
+     ["grad_output", "int64"]),
+    ("stats_none", dict(stats=None), TypeError, ["stats", "NoneType"]),
+    ("stats_list", dict(stats=CSTATS.tolist()), TypeError, ["stats", "list"]),
+    ("stats_shape", dict(stats=np.zeros((3, 3))), ValueError, ["stats", "(3, 2)", "(3, 3)"]),
+    ("stats_transposed", dict(stats=np.zeros((2, 3))), ValueError, ["stats", "(3, 2)", "(2, 3)"]),
+    ("stats_float32", dict(stats=CSTATS.astype(np.float32)), TypeError, ["stats", "float32", "float64"]),
+]
+
+
+@pytest.mark.parametrize("cid, kw, exc, ws", CE_BACKWARD_BAD, ids=[c[0] for c in CE_BACKWARD_BAD])
+def test_cross_entropy_backward_bad_input(cid, kw, exc, ws):
+    with pytest.raises(exc, match=words(*ws)):
+        _ce_call("backward", CL, CT, **kw)()
+
+
 # ------------------------------------------------------------------------------------------------- globals
 GLOBAL_BAD = [
     ("set_num_threads_0", lambda: attnpp.set_num_threads(0), ValueError, ["set_num_threads", "1", "0"]),
     ("set_num_threads_negative", lambda: attnpp.set_num_threads(-3), ValueError, ["set_num_threads", "-3"]),
+    ("set_num_threads_str", lambda: attnpp.set_num_threads("2"), TypeError, ["set_num_threads", "'2'"]),
+    ("set_num_threads_float", lambda: attnpp.set_num_threads(2.0), TypeError, ["set_num_threads", "2.0"]),
+    ("set_num_threads_none", lambda: attnpp.set_num_threads(None), TypeError, ["set_num_threads", "None"]),
+    ("set_num_threads_huge", lambda: attnpp.set_num_threads(2 ** 40), ValueError,
+          ["set_num_threads", str(2 ** 40)]),
     ("manual_seed_str", lambda: attnpp.manual_seed("x"), TypeError, ["seed", "int", "str"]),
     ("manual_seed_float", lambda: attnpp.manual_seed(1.5), TypeError, ["seed", "int", "float"]),
     ("manual_seed_none", lambda: attnpp.manual_seed(None), TypeError, ["seed", "int", "NoneType"]),
+    ("manual_seed_bool", lambda: attnpp.manual_seed(True), TypeError, ["seed", "int", "bool"]),
+    ("manual_seed_array", lambda: attnpp.manual_seed(np.array([1, 2])), TypeError, ["seed", "int", "ndarray"]),
+    ("empty_cache_argument", lambda: attnpp.empty_cache(0), TypeError, ["empty_cache"]),
+]
+
+
+@pytest.mark.parametrize("call, exc, ws", cases(GLOBAL_BAD))
+def test_global_bad_input(call, exc, ws):
+    threads = attnpp.get_num_threads()
+    with pytest.raises(exc, match=words(*ws)):
+        call()
+    assert attnpp.get_num_threads() == threads  # a refused set_num_threads changes nothing
+
+
+# ------------------------------------------------------------------------------------------ layer constructors
+LAYER_INIT_BAD = [
+    ("linear_dtype_int", lambda: Linear(4, 3, dtype=np.int64), TypeError, ["dtype", "int64"]),
+    ("linear_dtype_float16", lambda: Linear(4, 3, dtype="float16"), TypeError, ["dtype", "float16"]),
+    ("linear_dtype_complex", lambda: Linear(4, 3, dtype=np.complex128), TypeError, ["dtype", "complex128"]),
+    ("linear_dtype_bool", lambda: Linear(4, 3, dtype=bool), TypeError, ["dtype", "bool"]),
+    ("linear_dtype_object", lambda: Linear(4, 3, dtype=object), TypeError, ["dtype", "object"]),
+    ("linear_negative_features", lambda: Linear(-1, 3), ValueError, ["in_features", "-1"]),
+    ("linear_float_features", lambda: Linear(1.5, 3), TypeError, ["in_features", "int", "float"]),
+    ("linear_none_features", lambda: Linear(None, 3), TypeError, ["in_features", "int", "NoneType"]),
+    ("linear_str_out_features", lambda: Linear(4, "3"), TypeError, ["out_features", "int", "str"]),
+    ("embedding_negative", lambda: Embedding(-1, 3), ValueError, ["num_embeddings", "-1"]),
+    ("embedding_float", lambda: Embedding(5.0, 3), TypeError, ["num_embeddings", "int", "float"]),
+    ("embedding_none_dim", lambda: Embedding(5, None), TypeError, ["embedding_dim", "int", "NoneType"]),
+    ("embedding_dtype_int", lambda: Embedding(5, 3, dtype=np.int32), TypeError, ["dtype", "int32"]),
+    ("embedding_dtype_float16", lambda: Embedding(5, 3, dtype=np.float16), TypeError, ["dtype", "float16"]),
+    ("dropout_p_one", lambda: Dropout(1.0), ValueError, ["p", "1.0"]),
+    ("dropout_p_negative", lambda: Dropout(-0.1), ValueError, ["p", "-0.1"]),
+    ("dropout_p_nan", lambda: Dropout(float("nan")), ValueError, ["p", "nan"]),
+    ("dropout_p_none", lambda: Dropout(None), TypeError, ["p", "NoneType"]),
+    ("dropout_p_str", lambda: Dropout("0.1"), TypeError, ["p", "str"]),
+    ("cross_entropy_reduction", lambda: CrossEntropyLoss(reduction="avg"), ValueError, ["reduction", "'avg'"]),
+    ("cross_entropy_reduction_none", lambda: CrossEntropyLoss(reduction=None), ValueError, ["reduction", "None"]),
+    ("cross_entropy_ignore_index_str", lambda: CrossEntropyLoss(ignore_index="x"), TypeError,
+     ["ignore_index", "int", "str"]),
+    ("cross_entropy_ignore_index_float", lambda: CrossEntropyLoss(ignore_index=1.5), TypeError,
+     ["ignore_index", "int", "float"]),
     ("mha_heads_not_dividing", lambda: MultiheadAttention(6, 4), ValueError, ["embed_dim", "num_heads", "6", "4"]),
     ("mha_zero_heads", lambda: MultiheadAttention(6, 0), ValueError, ["num_heads", "0"]),
+    ("mha_none_heads", lambda: MultiheadAttention(6, None), TypeError, ["num_heads", "NoneType"]),
     ("mha_dtype_int", lambda: MultiheadAttention(6, 2, dtype=int), TypeError, ["dtype", "int"]),
     ("mha_dtype_int32", lambda: MultiheadAttention(6, 2, dtype=np.int32), TypeError, ["dtype", "int32"]),
     ("mha_dtype_float16", lambda: MultiheadAttention(6, 2, dtype=np.float16), TypeError, ["dtype", "float16"]),
     ("mha_dropout_one", lambda: MultiheadAttention(6, 2, dropout=1.0), ValueError, ["dropout", "1.0"]),
     ("mha_dropout_negative", lambda: MultiheadAttention(6, 2, dropout=-0.5), ValueError, ["dropout", "-0.5"]),
-    ("linear_dtype_int", lambda: Linear(4, 3, dtype=np.int64), TypeError, ["dtype", "int64"]),
-    ("linear_negative_features", lambda: Linear(-1, 3), ValueError, ["in_features", "-1"]),
-    ("linear_float_features", lambda: Linear(1.5, 3), TypeError, ["in_features", "int", "float"]),
     ("mha_str_embed_dim", lambda: MultiheadAttention("6", 2), TypeError, ["embed_dim", "int", "str"]),
     ("mha_float_embed_dim", lambda: MultiheadAttention(6.0, 2), TypeError, ["embed_dim", "int", "float"]),
     ("mha_zero_kdim", lambda: MultiheadAttention(6, 2, kdim=0), ValueError, ["kdim", "0"]),
+    ("mha_str_vdim", lambda: MultiheadAttention(6, 2, vdim="3"), TypeError, ["vdim", "int", "str"]),
     ("mha_str_dropout", lambda: MultiheadAttention(6, 2, dropout="x"), TypeError, ["dropout", "str"]),
-    ("dropout_mask_p_none", lambda: attnpp.functional.dropout_mask((2, 3), None, 0), TypeError, ["p", "NoneType"]),
+    ("attention_heads_not_dividing", lambda: Attention(6, 4), ValueError, ["qk_dim", "num_heads", "6", "4"]),
+    ("attention_heads_not_dividing_v_dim", lambda: Attention(6, 2, v_dim=5), ValueError,
+     ["v_dim", "num_heads", "5", "2"]),
+    ("attention_zero_embed_dim", lambda: Attention(0), ValueError, ["embed_dim", "0"]),
+    ("attention_zero_heads", lambda: Attention(6, 0), ValueError, ["num_heads", "0"]),
+    ("attention_str_qk_dim", lambda: Attention(6, qk_dim="4"), TypeError, ["qk_dim", "int", "str"]),
+    ("attention_negative_kv_dim", lambda: Attention(6, kv_dim=-1), ValueError, ["kv_dim", "-1"]),
+    ("attention_str_out_dim", lambda: Attention(6, out_dim="4"), TypeError, ["out_dim", "int", "str"]),
+    ("attention_str_out_dim_without_proj", lambda: Attention(6, out_proj=False, out_dim="4"), TypeError,
+     ["out_dim", "int", "str"]),
+    ("attention_out_dim_without_proj", lambda: Attention(6, out_proj=False, out_dim=4), ValueError,
+     ["out_dim", "out_proj"]),
+    ("attention_context_length_zero", lambda: Attention(6, context_length=0), ValueError,
+     ["context_length", "0"]),
+    ("attention_context_length_float", lambda: Attention(6, context_length=4.0), TypeError,
+     ["context_length", "int", "float"]),
+    ("attention_attn_dropout_one", lambda: Attention(6, attn_dropout=1.0), ValueError, ["attn_dropout", "1.0"]),
+    ("attention_out_dropout_one", lambda: Attention(6, out_dropout=1.0), ValueError, ["out_dropout", "1.0"]),
+    ("attention_out_dropout_str", lambda: Attention(6, out_dropout="0.1"), TypeError, ["out_dropout", "str"]),
+    ("attention_scale_str", lambda: Attention(6, scale="x"), TypeError, ["scale", "str"]),
+    ("attention_causal_alignment", lambda: Attention(6, causal=True, causal_alignment="diagonal"), ValueError,
+     ["causal_alignment", "'diagonal'"]),
+    ("attention_dtype_int", lambda: Attention(6, dtype=np.int64), TypeError, ["dtype", "int64"]),
 ]
 
 
-@pytest.mark.parametrize("cid, call, exc, ws", GLOBAL_BAD, ids=[c[0] for c in GLOBAL_BAD])
-def test_global_bad_input(cid, call, exc, ws):
-    threads = attnpp.get_num_threads()
+@pytest.mark.parametrize("call, exc, ws", cases(LAYER_INIT_BAD))
+def test_layer_init_bad_input(call, exc, ws):
     with pytest.raises(exc, match=words(*ws)):
         call()
-    assert attnpp.get_num_threads() == threads  # a refused set_num_threads changes nothing
+
+
+# ----------------------------------------------------------------------------- Parameter: data/grad assignment
+# a Linear(3, 2) weight: (2, 3) float64; the message should start "data: " or "grad: " (a bare "data" is in numpy's
+# "Cannot cast array data")
+PARAMETER_BAD = [
+    ("data_wrong_shape", "data", np.zeros((3, 2)), ValueError, ["data:", "(2, 3)", "(3, 2)"]),
+    ("data_wrong_ndim", "data", np.zeros(6), ValueError, ["data:", "(2, 3)", "(6,)"]),
+    ("data_list_wrong_shape", "data", [[1.0, 2.0]], ValueError, ["data:", "(2, 3)", "(1, 2)"]),
+    ("data_none", "data", None, TypeError,
+          ["data:", "NoneType"]),
+    ("data_str", "data", "abc", TypeError,
+          ["data:", "str"]),
+    ("data_complex", "data", np.zeros((2, 3), complex), TypeError, ["data:", "complex128"]),
+    ("data_object", "data", np.zeros((2, 3), object), TypeError, ["data:", "object"]),
+    ("grad_wrong_shape", "grad", np.zeros((3, 2)), ValueError, ["grad:", "(2, 3)", "(3, 2)"]),
+    ("grad_none", "grad", None, TypeError,
+          ["grad:", "NoneType"]),
+    ("grad_complex", "grad", np.zeros((2, 3), complex), TypeError, ["grad:", "complex128"]),
+]
+
+
+@pytest.mark.parametrize("attr, value, exc, ws", cases(PARAMETER_BAD))
+def test_parameter_assignment_bad_input(attr, value, exc, ws):
+    layer = Linear(3, 2, dtype=np.float64)
+    layer.weight.grad = randn(2, 3, seed=70)
+    before = layer.weight.data.copy(), layer.weight.grad.copy()
+    with pytest.raises((ValueError, TypeError)) as info:
+        setattr(layer.weight, attr, value)
+    np.testing.assert_array_equal(layer.weight.data, before[0])  # nothing written by the refused assignment
+    np.testing.assert_array_equal(layer.weight.grad, before[1])
+    assert info.type is exc and re.search(words(*ws), str(info.value)), f"{info.type.__name__}: {info.value}"
+
+
+# ------------------------------------------------------------------------------------------------- optimizers
+def _opt_layer():
+    layer = Linear(4, 3, dtype=np.float64)
+    for p in layer.parameters():
+        p.grad = randn(*p.shape, seed=80)
+    return layer
+
+
+OPTIM_BAD = [
+    ("sgd_params_arrays", lambda l: SGD([np.zeros(3)], lr=0.1), TypeError, ["params", "Parameter", "ndarray"]),
+    ("sgd_params_none", lambda l: SGD(None, lr=0.1), TypeError, ["params", "NoneType"]),
+    ("sgd_params_layer", lambda l: SGD(l, lr=0.1), TypeError, ["params", "Linear", "parameters()"]),
+    ("sgd_params_empty", lambda l: SGD([], lr=0.1), ValueError, ["params", "empty"]),
+    ("sgd_params_twice", lambda l: SGD(list(l.parameters()) * 2, lr=0.1), ValueError, ["params", "more than once"]),
+    ("sgd_lr_negative", lambda l: SGD(l.parameters(), lr=-1.0), ValueError, ["lr", "-1.0"]),
+    ("sgd_lr_nan", lambda l: SGD(l.parameters(), lr=float("nan")), ValueError, ["lr", "nan"]),
+    ("sgd_lr_inf", lambda l: SGD(l.parameters(), lr=float("inf")), ValueError, ["lr", "inf"]),
+    ("sgd_lr_str", lambda l: SGD(l.parameters(), lr="0.1"), TypeError, ["lr", "str"]),
+    ("sgd_lr_none", lambda l: SGD(l.parameters(), lr=None), TypeError, ["lr", "NoneType"]),
+    ("sgd_lr_bool", lambda l: SGD(l.parameters(), lr=True), TypeError, ["lr", "bool"]),
+    ("sgd_lr_complex", lambda l: SGD(l.parameters(), lr=0.1j), TypeError, ["lr", "complex"]),
+    ("sgd_momentum_list", lambda l: SGD(l.parameters(), lr=0.1, momentum=[0.9]), TypeError, ["momentum", "list"]),
+    ("sgd_momentum_negative", lambda l: SGD(l.parameters(), lr=0.1, momentum=-0.9), ValueError,
+     ["momentum", "-0.9"]),
+    ("sgd_dampening_str", lambda l: SGD(l.parameters(), lr=0.1, dampening="0"), TypeError, ["dampening", "str"]),
+    ("sgd_weight_decay_negative", lambda l: SGD(l.parameters(), lr=0.1, weight_decay=-1e-2), ValueError,
+     ["weight_decay", "-0.01"]),
+    ("sgd_nesterov_without_momentum", lambda l: SGD(l.parameters(), lr=0.1, nesterov=True), ValueError,
+     ["Nesterov", "momentum"]),
+    ("sgd_step_argument", lambda l: SGD(l.parameters(), lr=0.1).step(lambda: 0.0), TypeError, ["step"]),
+    ("adamw_params_none", lambda l: AdamW(None), TypeError, ["params", "NoneType"]),
+    ("adamw_params_layer", lambda l: AdamW(l), TypeError, ["params", "Linear"]),
+    ("adamw_lr_negative", lambda l: AdamW(l.parameters(), lr=-1e-3), ValueError, ["lr", "-0.001"]),
+    ("adamw_lr_nan", lambda l: AdamW(l.parameters(), lr=float("nan")), ValueError, ["lr", "nan"]),
+    ("adamw_eps_str", lambda l: AdamW(l.parameters(), eps="1e-8"), TypeError, ["eps", "str"]),
+    ("adamw_eps_negative", lambda l: AdamW(l.parameters(), eps=-1e-8), ValueError, ["eps", "-1e-08"]),
+    ("adamw_weight_decay_none", lambda l: AdamW(l.parameters(), weight_decay=None), TypeError,
+     ["weight_decay", "NoneType"]),
+    ("adamw_betas_one_value", lambda l: AdamW(l.parameters(), betas=(0.9,)), ValueError, ["betas", "(0.9,)"]),
+    ("adamw_betas_three_values", lambda l: AdamW(l.parameters(), betas=(0.9, 0.9, 0.9)), ValueError,
+     ["betas", "(0.9, 0.9, 0.9)"]),
+    ("adamw_betas_none", lambda l: AdamW(l.parameters(), betas=None), TypeError, ["betas", "NoneType"]),
+    ("adamw_betas_float", lambda l: AdamW(l.parameters(), betas=0.9), TypeError, ["betas", "float"]),
+    ("adamw_betas_str", lambda l: AdamW(l.parameters(), betas=("a", "b")), TypeError, ["betas", "'a'"]),
+    ("adamw_beta_one", lambda l: AdamW(l.parameters(), betas=(1.0, 0.999)), ValueError, ["betas", "1.0"]),
+    ("adamw_beta_negative", lambda l: AdamW(l.parameters(), betas=(0.9, -0.1)), ValueError, ["betas", "-0.1"]),
+    ("adamw_step_argument", lambda l: AdamW(l.parameters()).step(lambda: 0.0), TypeError, ["step"]),
+]
+
+
+@pytest.mark.parametrize("call, exc, ws", cases(OPTIM_BAD))
+def test_optimizer_bad_input(call, exc, ws):
+    layer = _opt_layer()
+    before = {name: (p.data.copy(), p.grad.copy()) for name, p in layer.named_parameters()}
+    with pytest.raises(exc, match=words(*ws)):
+        call(layer)
+    for name, p in layer.named_parameters():  # nothing stepped
+        np.testing.assert_array_equal(p.data, before[name][0], err_msg=name)
+        np.testing.assert_array_equal(p.grad, before[name][1], err_msg=name)
+    SGD(layer.parameters(), lr=0.5).step()  # and a valid step works
+    for name, p in layer.named_parameters():
+        np.testing.assert_allclose(p.data, before[name][0] - 0.5 * before[name][1], rtol=1e-12, err_msg=name)
+
+
+# ----------------------------------------------------------------------------------------- too large requests
+def _big(shape, small):
+    """``small`` broadcast to ``shape``: an input of any size that costs nothing."""
+    return np.broadcast_to(small, shape)
+
+
+MEMORY_BAD = [
+    ("sdpa_weights_broadcast_batch",
+     lambda: AF.scaled_dot_product_attention_weights(_big((10 ** 10, 10 ** 4, 3, 4), _q()[0, 0]), _k()[0, 0]), []),
+    ("sdpa_forward_broadcast_batch",
+     lambda: AF.scaled_dot_product_attention_forward(_big((10 ** 10, 10 ** 4, 3, 4), _q()[0, 0]), _k()[0, 0],
+                                                     _v()[0, 0]), []),
+    ("sdpa_backward_broadcast_batch",
+     lambda: AF.scaled_dot_product_attention_backward(_big((10 ** 10, 10 ** 4, 3, 6), 0.0), _big(
+         (10 ** 10, 10 ** 4, 3, 4), _q()[0, 0]), _k()[0, 0], _v()[0, 0], _big((10 ** 10, 10 ** 4, 3, 6), 0.0),
+         _big((10 ** 10, 10 ** 4, 3), 0.0)), []),
+    ("sdpa_batch_beyond_int64",
+     lambda: AF.scaled_dot_product_attention(_big((2 ** 40, 1, 1, 3, 4), _q()[0, 0]),
+                                             _big((1, 2 ** 40, 1, 5, 4), _k()[0, 0]),
+                                             _big((1, 2 ** 40, 1, 5, 6), _v()[0, 0])),
+     ["batch", str(2 ** 40)]),
+    ("dropout_mask_huge", lambda: AF.dropout_mask((10 ** 8, 10 ** 8), 0.1, 0), []),
+    ("dropout_mask_beyond_int64", lambda: AF.dropout_mask((2 ** 40, 2 ** 40), 0.1, 0),
+     ["dropout_mask", str(2 ** 40)]),
+    ("dropout_broadcast", lambda: AF.dropout(_big((HUGE,), 1.0), 0.1, seed=0), []),
+    ("linear_broadcast", lambda: AF.linear(_big((HUGE, 4), FX[0]), FW, FB), []),
+    ("linear_backward_broadcast",
+     lambda: AF.linear_backward(_big((HUGE, 3), FGY[0]), _big((HUGE, 4), FX[0]), FW, np.zeros((3, 4))), []),
+    ("embedding_broadcast", lambda: AF.embedding(_big((10 * HUGE,), np.int64(1)), EW), []),
+    ("cross_entropy_broadcast",
+     lambda: AF.cross_entropy(_big((10 * HUGE, 4), CL[0]), _big((10 * HUGE,), np.int64(1))), []),
+    ("linear_init", lambda: Linear(10 ** 8, 10 ** 8), []),
+    ("linear_init_beyond_int64", lambda: Linear(2 ** 40, 2 ** 40), []),
+    ("embedding_init", lambda: Embedding(10 ** 8, 10 ** 8), []),
+    ("mha_init", lambda: MultiheadAttention(10 ** 8, 1), []),
+    ("attention_init", lambda: Attention(10 ** 8), []),
+]
+
+
+def _overcommit_always():
+    try:
+        with open("/proc/sys/vm/overcommit_memory") as f:
+            return f.read().strip() == "1"
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(_overcommit_always(), reason="vm.overcommit_memory=1: a huge malloc might succeed")
+@pytest.mark.parametrize("call, ws", cases(MEMORY_BAD))
+def test_too_large_raises_memory_error(call, ws):
+    """Every first allocation is beyond 1 PB (more than a 47-bit address space): malloc fails at once, with any
+    overcommit policy but 'always'; the library stays usable."""
+    with pytest.raises(MemoryError, match=words(*ws)):
+        call()
+    out = AF.scaled_dot_product_attention(_q(), _k(), _v())
+    assert out.shape == OUT_SHAPE and np.isfinite(out).all()
+    np.testing.assert_allclose(AF.linear(FX, FW, FB), FX @ FW.T + FB, rtol=1e-12)
+    assert AF.dropout_mask((3, 4), 0.5, 1).shape == (3, 4)
+    assert isinstance(attnpp.empty_cache(), int)
 
 
 # --------------------------------------------------------------------------------------------------- layers
@@ -242,6 +836,35 @@ def _check_layer_unharmed(layer, make, snapshot, run):
                                    rtol=1e-12, atol=1e-14, err_msg=f"{name}.grad")
 
 
+def _layer_case(make, setup, bad, exc, ws, run, randomize=False):
+    """Build a layer, run ``setup``, check that ``bad`` raises ``exc`` with ``ws``, then that it is unharmed."""
+    attnpp.manual_seed(0)
+    layer = make()
+    if randomize:  # non-trivial biases too
+        rng = np.random.default_rng(0)
+        for p in layer.parameters():
+            p.data[...] = 0.5 * rng.standard_normal(p.shape)
+    if setup is not None:
+        setup(layer)
+    snapshot = _snapshot(layer)
+    with pytest.raises(exc, match=words(*ws)):
+        bad(layer)
+    _check_layer_unharmed(layer, make, snapshot, run)
+
+
+def _state(layer, **change):
+    """The layer's state dict as copies, with entries replaced (value) or removed (None) or added; ``__`` in a
+    keyword stands for a dot."""
+    sd = {name: p.data.copy() + 1.0 for name, p in layer.named_parameters()}  # all different from the layer's
+    for name, value in change.items():
+        name = name.replace("__", ".")
+        if value is None:
+            sd.pop(name)
+        else:
+            sd[name] = value
+    return sd
+
+
 # Linear(4, 3, float64): input (2, 4), grad_output (2, 3)
 X = randn(2, 4, seed=10)
 GY = randn(2, 3, seed=11)
@@ -271,30 +894,51 @@ LINEAR_BAD = [
     ("wrong_last_dim_3d", None, lambda l: l(randn(2, 3, 3)), ValueError, ["input", "(2, 3, 3)", "4"]),
     ("wrong_dtype", None, lambda l: l(X.astype(np.float32)), TypeError, ["input", "float32", "float64"]),
     ("int_input", None, lambda l: l(np.ones((2, 4), np.int64)), TypeError, ["input", "int64"]),
+    ("bool_input", None, lambda l: l(X > 0), TypeError, ["input", "bool"]),
+    ("complex_input", None, lambda l: l(X.astype(complex)), TypeError, ["input", "complex128"]),
+    ("object_input", None, lambda l: l(X.astype(object)), TypeError, ["input", "object"]),
+    ("float16_input", None, lambda l: l(X.astype(np.float16)), TypeError, ["input", "float16"]),
     ("list_input", None, lambda l: l(X.tolist()), TypeError, ["input", "ndarray", "list"]),
     ("scalar_input", None, lambda l: l(np.float64(1.0)), TypeError, ["input", "ndarray"]),
+    ("none_input", None, lambda l: l(None), TypeError, ["input", "NoneType"]),
+    ("0d_input", None, lambda l: l(np.array(1.0)), ValueError, ["input", "1", "()"]),
     ("backward_before_forward", None, lambda l: l.backward(GY), ValueError, ["backward", "forward"]),
     ("backward_twice", _forward_backward, lambda l: l.backward(GY), ValueError, ["backward", "forward"]),
     ("backward_wrong_shape", _forward, lambda l: l.backward(randn(2, 4)), ValueError,
      ["grad_output", "(2, 3)", "(2, 4)"]),
     ("backward_wrong_batch", _forward, lambda l: l.backward(randn(3, 3)), ValueError,
      ["grad_output", "(2, 3)", "(3, 3)"]),
+    ("backward_transposed", _forward, lambda l: l.backward(randn(3, 2)), ValueError,
+     ["grad_output", "(2, 3)", "(3, 2)"]),
+    ("backward_0d", _forward, lambda l: l.backward(np.array(1.0)), ValueError, ["grad_output", "(2, 3)", "()"]),
     ("backward_wrong_dtype", _forward, lambda l: l.backward(GY.astype(np.float32)), TypeError,
      ["grad_output", "float32", "float64"]),
+    ("backward_int", _forward, lambda l: l.backward(GY.astype(np.int64)), TypeError, ["grad_output", "int64"]),
+    ("backward_list", _forward, lambda l: l.backward(GY.tolist()), TypeError, ["grad_output", "list"]),
+    ("backward_none", _forward, lambda l: l.backward(None), TypeError, ["grad_output", "NoneType"]),
     ("failed_forward_after_forward", _forward, lambda l: l(randn(2, 5)), ValueError, ["input", "(2, 5)"]),
+    ("load_state_dict_missing_key", None, lambda l: l.load_state_dict(_state(l, bias=None)), ValueError,
+     ["missing", "bias"]),
+    ("load_state_dict_unexpected_key", None, lambda l: l.load_state_dict(_state(l, scale=np.ones(3))), ValueError,
+     ["unexpected", "scale"]),
+    ("load_state_dict_misshaped", None, lambda l: l.load_state_dict(_state(l, weight=np.zeros((4, 3)))),
+     ValueError, ["weight", "(3, 4)", "(4, 3)"]),
+    ("load_state_dict_int", None, lambda l: l.load_state_dict(_state(l, weight=np.zeros((3, 4), np.int64))),
+     TypeError, ["weight", "floating", "int64"]),
+    ("load_state_dict_complex", None, lambda l: l.load_state_dict(_state(l, bias=np.zeros(3, complex))),
+     TypeError, ["bias", "complex128"]),
+    ("load_state_dict_list", None, lambda l: l.load_state_dict(_state(l, bias=[0.0] * 3)), TypeError,
+     ["bias", "list"]),
+    ("load_state_dict_none_value", None, lambda l: l.load_state_dict(_state(l, weight=None) | {"weight": None}),
+     TypeError, ["weight", "NoneType"]),
+    ("load_state_dict_none", None, lambda l: l.load_state_dict(None), TypeError, ["state_dict", "NoneType"]),
+    ("memory_broadcast_input", _forward, lambda l: l(_big((HUGE, 4), X[0])), MemoryError, []),
 ]
 
 
-@pytest.mark.parametrize("cid, setup, bad, exc, ws", LINEAR_BAD, ids=[c[0] for c in LINEAR_BAD])
-def test_linear_bad_input(cid, setup, bad, exc, ws):
-    attnpp.manual_seed(0)
-    layer = _make_linear()
-    if setup is not None:
-        setup(layer)
-    snapshot = _snapshot(layer)
-    with pytest.raises(exc, match=words(*ws)):
-        bad(layer)
-    _check_layer_unharmed(layer, _make_linear, snapshot, _run_linear)
+@pytest.mark.parametrize("setup, bad, exc, ws", cases(LINEAR_BAD))
+def test_linear_bad_input(setup, bad, exc, ws):
+    _layer_case(_make_linear, setup, bad, exc, ws, _run_linear)
 
 
 def test_linear_correct_backward_after_wrong_one():
@@ -312,6 +956,208 @@ def test_linear_correct_backward_after_wrong_one():
     np.testing.assert_allclose(layer.weight.grad, GY.T @ X, rtol=1e-12, atol=1e-14)
     np.testing.assert_allclose(layer.bias.grad, GY.sum(axis=0), rtol=1e-12, atol=1e-14)
     np.testing.assert_allclose(y, X @ layer.weight.data.T + layer.bias.data, rtol=1e-12, atol=1e-14)
+
+
+# Embedding(5, 3, float64): ids (2, 3), grad_output (2, 3, 3)
+def _make_embedding():
+    return Embedding(5, 3, dtype=np.float64)
+
+
+def _run_embedding(layer):
+    y = layer(EIDX)
+    return (y, layer.backward(EGY))
+
+
+def _emb_forward(layer):
+    layer(EIDX)
+
+
+def _emb_forward_backward(layer):
+    layer(EIDX)
+    layer.backward(EGY)
+
+
+EMBEDDING_BAD = [
+    ("index_negative", None, lambda e: e(np.array([[0, -1, 2]])), IndexError, ["input", "-1", "[0, 5)"]),
+    ("index_equal_V", None, lambda e: e(np.array([0, 5])), IndexError, ["input", "5", "[0, 5)"]),
+    ("index_far_above_V", None, lambda e: e(np.array([10 ** 12])), IndexError, ["input", str(10 ** 12), "[0, 5)"]),
+    ("index_int8_negative", None, lambda e: e(np.array([-3], np.int8)), IndexError, ["input", "-3", "[0, 5)"]),
+    ("index_huge_uint64", None, lambda e: e(np.array([2 ** 63], np.uint64)), IndexError,
+     ["input", str(2 ** 63), "[0, 5)"]),
+    ("index_float", None, lambda e: e(EIDX.astype(float)), TypeError, ["input", "integer", "float64"]),
+    ("index_bool", None, lambda e: e(EIDX > 1), TypeError, ["input", "integer", "bool"]),
+    ("index_complex", None, lambda e: e(EIDX.astype(complex)), TypeError, ["input", "complex128"]),
+    ("index_object", None, lambda e: e(EIDX.astype(object)), TypeError, ["input", "object"]),
+    ("index_list", None, lambda e: e(EIDX.tolist()), TypeError, ["input", "ndarray", "list"]),
+    ("index_none", None, lambda e: e(None), TypeError, ["input", "NoneType"]),
+    ("index_scalar", None, lambda e: e(2), TypeError, ["input", "int"]),
+    ("backward_before_forward", None, lambda e: e.backward(EGY), ValueError, ["backward", "forward"]),
+    ("backward_twice", _emb_forward_backward, lambda e: e.backward(EGY), ValueError, ["backward", "forward"]),
+    ("backward_wrong_shape", _emb_forward, lambda e: e.backward(randn(2, 3, 4)), ValueError,
+     ["grad_output", "(2, 3, 3)", "(2, 3, 4)"]),
+    ("backward_same_size_other_shape", _emb_forward, lambda e: e.backward(randn(3, 2, 3)), ValueError,
+     ["grad_output", "(2, 3, 3)", "(3, 2, 3)"]),
+    ("backward_wrong_dtype", _emb_forward, lambda e: e.backward(EGY.astype(np.float32)), TypeError,
+     ["grad_output", "float32", "float64"]),
+    ("backward_int", _emb_forward, lambda e: e.backward(EGY.astype(np.int64)), TypeError,
+     ["grad_output", "int64"]),
+    ("backward_list", _emb_forward, lambda e: e.backward(EGY.tolist()), TypeError, ["grad_output", "list"]),
+    ("backward_none", _emb_forward, lambda e: e.backward(None), TypeError, ["grad_output", "NoneType"]),
+    ("failed_forward_after_forward", _emb_forward, lambda e: e(np.array([7])), IndexError, ["input", "7"]),
+    ("load_state_dict_missing_key", None, lambda e: e.load_state_dict({}), ValueError, ["missing", "weight"]),
+    ("load_state_dict_unexpected_key", None, lambda e: e.load_state_dict(_state(e, bias=np.zeros(3))),
+     ValueError, ["unexpected", "bias"]),
+    ("load_state_dict_misshaped", None, lambda e: e.load_state_dict(_state(e, weight=np.zeros((3, 5)))),
+     ValueError, ["weight", "(5, 3)", "(3, 5)"]),
+    ("load_state_dict_int", None, lambda e: e.load_state_dict(_state(e, weight=np.zeros((5, 3), np.int64))),
+     TypeError, ["weight", "floating", "int64"]),
+    ("load_state_dict_list", None, lambda e: e.load_state_dict(_state(e, weight=[[0.0] * 3] * 5)), TypeError,
+     ["weight", "list"]),
+    ("memory_broadcast_index", _emb_forward, lambda e: e(_big((10 * HUGE,), np.int64(1))), MemoryError, []),
+]
+
+
+@pytest.mark.parametrize("setup, bad, exc, ws", cases(EMBEDDING_BAD))
+def test_embedding_bad_input(setup, bad, exc, ws):
+    _layer_case(_make_embedding, setup, bad, exc, ws, _run_embedding)
+
+
+# Dropout(0.5): input (2, 4), grad_output (2, 4); seeded calls
+DG = randn(2, 4, seed=41)
+
+
+def _make_dropout():
+    return Dropout(0.5)
+
+
+def _run_dropout(layer):
+    y = layer(DX, seed=5)
+    return (y, layer.backward(DG))
+
+
+def _drop_forward(layer):
+    layer(DX, seed=3)
+
+
+def _drop_forward_backward(layer):
+    layer(DX, seed=3)
+    layer.backward(DG)
+
+
+DROPOUT_BAD = [
+    ("input_none", None, lambda d: d(None), TypeError, ["input", "NoneType"]),
+    ("input_list", None, lambda d: d(DX.tolist()), TypeError, ["input", "ndarray", "list"]),
+    ("input_scalar", None, lambda d: d(1.0), TypeError, ["input", "float"]),
+    ("input_int", None, lambda d: d(DX.astype(np.int64)), TypeError, ["input", "int64"]),
+    ("input_bool", None, lambda d: d(DX > 0), TypeError, ["input", "bool"]),
+    ("input_complex", None, lambda d: d(DX.astype(complex)), TypeError, ["input", "complex128"]),
+    ("input_object", None, lambda d: d(DX.astype(object)), TypeError, ["input", "object"]),
+    ("input_float16", None, lambda d: d(DX.astype(np.float16)), TypeError, ["input", "float16"]),
+    ("seed_str", None, lambda d: d(DX, seed="x"), TypeError, ["seed", "str"]),
+    ("seed_float", None, lambda d: d(DX, seed=1.5), TypeError, ["seed", "float"]),
+    ("backward_before_forward", None, lambda d: d.backward(DG), ValueError, ["backward", "forward"]),
+    ("backward_twice", _drop_forward_backward, lambda d: d.backward(DG), ValueError, ["backward", "forward"]),
+    ("backward_wrong_shape", _drop_forward, lambda d: d.backward(DG.T), ValueError,
+     ["grad_output", "(2, 4)", "(4, 2)"]),
+    ("backward_wrong_dtype", _drop_forward, lambda d: d.backward(DG.astype(np.float32)), TypeError,
+     ["grad_output", "float32", "float64"]),
+    ("backward_list", _drop_forward, lambda d: d.backward(DG.tolist()), TypeError, ["grad_output", "list"]),
+    ("backward_none", _drop_forward, lambda d: d.backward(None), TypeError, ["grad_output", "NoneType"]),
+    ("failed_forward_after_forward", _drop_forward, lambda d: d(DX.astype(np.int32)), TypeError,
+     ["input", "int32"]),
+    ("load_state_dict_unexpected_key", None, lambda d: d.load_state_dict({"p": np.ones(1)}), ValueError,
+     ["unexpected", "p"]),
+    ("memory_broadcast_input", None, lambda d: d(_big((HUGE,), 1.0)), MemoryError, []),
+]
+
+
+@pytest.mark.parametrize("setup, bad, exc, ws", cases(DROPOUT_BAD))
+def test_dropout_bad_input(setup, bad, exc, ws):
+    _layer_case(_make_dropout, setup, bad, exc, ws, _run_dropout)
+
+
+def test_dropout_backward_after_failed_forward():
+    """A forward that fails (here: too large) leaves the previous forward's context to its backward."""
+    layer = _make_dropout()
+    layer(DX, seed=3)
+    with pytest.raises(MemoryError):
+        layer(_big((HUGE,), 1.0))
+    assert layer.last_seed == 3
+    np.testing.assert_array_equal(layer.backward(DG), AF.dropout_backward(DG, 0.5, 3))
+
+
+# CrossEntropyLoss(): logits (3, 4), target (3,) with one ignored row
+def _make_ce(**kw):
+    return lambda: CrossEntropyLoss(**kw)
+
+
+def _run_ce(layer):
+    loss = layer(CL, np.where(CT == -100, layer.ignore_index, CT))
+    return (loss, layer.backward(np.ones(loss.shape)))
+
+
+def _ce_forward(layer):
+    layer(CL, CT)
+
+
+def _ce_forward_backward(layer):
+    loss = layer(CL, CT)
+    layer.backward(np.ones(loss.shape))
+
+
+# id, layer config, setup, failing call, exception, words
+CROSS_ENTROPY_LOSS_BAD = [
+    ("target_negative", {}, None, lambda c: c(CL, np.array([0, -1, 1])), IndexError, ["target", "-1", "[0, 4)"]),
+    ("target_equal_C", {}, None, lambda c: c(CL, np.array([0, 4, 1])), IndexError, ["target", "4", "[0, 4)"]),
+    ("target_other_ignore_index", dict(ignore_index=-1), None, lambda c: c(CL, CT), IndexError,
+     ["target", "-100", "[0, 4)"]),
+    ("target_float", {}, None, lambda c: c(CL, CT.astype(float)), TypeError, ["target", "integer", "float64"]),
+    ("target_list", {}, None, lambda c: c(CL, CT.tolist()), TypeError, ["target", "list"]),
+    ("target_none", {}, None, lambda c: c(CL, None), TypeError, ["target", "NoneType"]),
+    ("target_shape", {}, None, lambda c: c(CL, CT[:2]), ValueError, ["target", "(3,)", "(2,)"]),
+    ("input_3d", {}, None, lambda c: c(CL[None], CT), ValueError, ["input", "(1, 3, 4)"]),
+    ("input_int", {}, None, lambda c: c(CL.astype(np.int64), CT), TypeError, ["input", "int64"]),
+    ("input_float16", {}, None, lambda c: c(CL.astype(np.float16), CT), TypeError, ["input", "float16"]),
+    ("input_list", {}, None, lambda c: c(CL.tolist(), CT), TypeError, ["input", "list"]),
+    ("backward_before_forward", {}, None, lambda c: c.backward(), ValueError, ["backward", "forward"]),
+    ("backward_twice", {}, _ce_forward_backward, lambda c: c.backward(), ValueError, ["backward", "forward"]),
+    ("backward_none", {}, _ce_forward, lambda c: c.backward(None), TypeError, ["grad_output", "NoneType"]),
+    ("backward_str", {}, _ce_forward, lambda c: c.backward("1"), TypeError, ["grad_output", "str"]),
+    ("backward_list", {}, _ce_forward, lambda c: c.backward([1.0]), TypeError, ["grad_output", "list"]),
+    ("backward_complex", {}, _ce_forward, lambda c: c.backward(1j), TypeError, ["grad_output", "complex"]),
+    ("backward_wrong_shape_mean", {}, _ce_forward, lambda c: c.backward(np.ones(3)), ValueError,
+     ["grad_output", "()", "(3,)"]),
+    ("backward_wrong_shape_none", dict(reduction="none"), _ce_forward, lambda c: c.backward(np.ones(2)),
+     ValueError, ["grad_output", "(3,)", "(2,)"]),
+    ("backward_scalar_for_none", dict(reduction="none"), _ce_forward, lambda c: c.backward(), ValueError,
+     ["grad_output", "(3,)", "scalar"]),
+    ("backward_wrong_dtype", {}, _ce_forward, lambda c: c.backward(np.ones((), np.float32)), TypeError,
+     ["grad_output", "float32", "float64"]),
+    ("failed_forward_after_forward", {}, _ce_forward, lambda c: c(CL, CT[:2]), ValueError, ["target", "(2,)"]),
+    ("load_state_dict_unexpected_key", {}, None, lambda c: c.load_state_dict({"weight": np.ones(4)}), ValueError,
+     ["unexpected", "weight"]),
+    ("memory_broadcast_input", {}, _ce_forward,
+     lambda c: c(_big((10 * HUGE, 4), CL[0]), _big((10 * HUGE,), np.int64(1))), MemoryError, []),
+]
+
+
+@pytest.mark.parametrize("config, setup, bad, exc, ws", cases(CROSS_ENTROPY_LOSS_BAD))
+def test_cross_entropy_loss_bad_input(config, setup, bad, exc, ws):
+    _layer_case(_make_ce(**config), setup, bad, exc, ws, _run_ce)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_cross_entropy_loss_correct_backward_after_wrong_one(reduction):
+    """A backward refused for its grad_output does not consume the forward: a correct one still works."""
+    layer = CrossEntropyLoss(reduction=reduction)
+    loss = layer(CL, CT)
+    with pytest.raises(ValueError, match="grad_output"):
+        layer.backward(np.ones(loss.shape + (2,)))
+    with pytest.raises(TypeError, match="grad_output"):
+        layer.backward(None)
+    g = np.ones(loss.shape)
+    np.testing.assert_array_equal(layer.backward(g), AF.cross_entropy_backward(g, CL, CT, CSTATS,
+                                                                               reduction=reduction))
 
 
 # MultiheadAttention(E=6, H=2, float64), sequence first: query (L=3, B=2, E), key (S=4, B=2, kdim), value (4, 2, vdim)
@@ -349,18 +1195,6 @@ def _mha_forward(layer):
 def _mha_forward_backward(layer):
     layer(*_mha_inputs(layer), seed=7)
     layer.backward(MG)
-
-
-def _state(layer, **change):
-    """The layer's state dict as copies, with entries replaced (value) or removed (None) or added."""
-    sd = {name: p.data.copy() + 1.0 for name, p in layer.named_parameters()}  # all different from the layer's
-    for name, value in change.items():
-        name = name.replace("__", ".")
-        if value is None:
-            sd.pop(name)
-        else:
-            sd[name] = value
-    return sd
 
 
 BOOL_KPM = np.zeros((B, S), bool)
@@ -428,23 +1262,76 @@ MHA_BAD = [
      ["in_proj_weight", "(18, 6)", "(12, 6)"]),
     ("load_state_dict_misshaped_bias_kv", dict(add_bias_kv=True), None,
      lambda m: m.load_state_dict(_state(m, bias_k=np.zeros((E,)))), ValueError, ["bias_k", "(1, 1, 6)", "(6,)"]),
+    ("query_none", {}, None, lambda m: m(None, MK, MV), TypeError, ["query", "NoneType"]),
+    ("key_none", {}, None, lambda m: m(MQ, None, MV), TypeError, ["key", "NoneType"]),
+    ("value_list", {}, None, lambda m: m(MQ, MK, MV.tolist()), TypeError, ["value", "ndarray", "list"]),
+    ("query_scalar", {}, None, lambda m: m(1.0, MK, MV), TypeError, ["query", "float"]),
+    ("query_int", {}, None, lambda m: m(MQ.astype(np.int64), MK, MV), TypeError, ["query", "int64"]),
+    ("query_bool", {}, None, lambda m: m(MQ > 0, MK, MV), TypeError, ["query", "bool"]),
+    ("query_complex", {}, None, lambda m: m(MQ.astype(complex), MK, MV), TypeError, ["query", "complex128"]),
+    ("query_object", {}, None, lambda m: m(MQ.astype(object), MK, MV), TypeError, ["query", "object"]),
+    ("query_float16", {}, None, lambda m: m(MQ.astype(np.float16), MK, MV), TypeError, ["query", "float16"]),
+    ("value_dtype", {}, None, lambda m: m(MQ, MK, MV.astype(np.float32)), TypeError,
+     ["value", "float32", "float64"]),
+    ("key_padding_mask_complex", {}, None, lambda m: m(MQ, MK, MV, key_padding_mask=np.zeros((B, S), complex)),
+     TypeError, ["key_padding_mask", "complex128"]),
+    ("key_padding_mask_object", {}, None, lambda m: m(MQ, MK, MV, key_padding_mask=np.zeros((B, S), object)),
+     TypeError, ["key_padding_mask", "object"]),
+    ("key_padding_mask_float16", {}, None,
+     lambda m: m(MQ, MK, MV, key_padding_mask=np.zeros((B, S), np.float16)), TypeError,
+     ["key_padding_mask", "float16"]),
+    ("key_padding_mask_int", {}, None, lambda m: m(MQ, MK, MV, key_padding_mask=np.zeros((B, S), np.int64)),
+     TypeError, ["key_padding_mask", "int64"]),
+    ("key_padding_mask_list", {}, None, lambda m: m(MQ, MK, MV, key_padding_mask=BOOL_KPM.tolist()), TypeError,
+     ["key_padding_mask", "list"]),
+    ("key_padding_mask_unbatched", {}, None,
+     lambda m: m(MQ[:, 0], MK[:, 0], MV[:, 0], key_padding_mask=np.zeros((1, S), bool)), ValueError,
+     ["key_padding_mask", "(4,)", "(1, 4)"]),
+    ("attn_mask_float32", {}, None, lambda m: m(MQ, MK, MV, attn_mask=np.zeros((L, S), np.float32)), TypeError,
+     ["attn_mask", "float32", "float64"]),
+    ("attn_mask_complex", {}, None, lambda m: m(MQ, MK, MV, attn_mask=np.zeros((L, S), complex)), TypeError,
+     ["attn_mask", "complex128"]),
+    ("attn_mask_object", {}, None, lambda m: m(MQ, MK, MV, attn_mask=np.zeros((L, S), object)), TypeError,
+     ["attn_mask", "object"]),
+    ("attn_mask_list", {}, None, lambda m: m(MQ, MK, MV, attn_mask=np.zeros((L, S)).tolist()), TypeError,
+     ["attn_mask", "list"]),
+    ("attn_mask_1d", {}, None, lambda m: m(MQ, MK, MV, attn_mask=np.zeros(S, bool)), ValueError,
+     ["attn_mask", "(3, 4)", "(4,)"]),
+    ("attn_mask_unbatched_3d", {}, None,
+     lambda m: m(MQ[:, 0], MK[:, 0], MV[:, 0], attn_mask=np.zeros((B * H, L, S), bool)), ValueError,
+     ["attn_mask", "(2, 3, 4)", "(4, 3, 4)"]),
+    ("seed_float", dict(dropout=0.2), None, lambda m: m(MQ, MK, MV, seed=1.5), TypeError, ["seed", "float"]),
+    ("backward_none", {}, _mha_forward, lambda m: m.backward(None), TypeError, ["grad_output", "NoneType"]),
+    ("backward_list", {}, _mha_forward, lambda m: m.backward(MG.tolist()), TypeError, ["grad_output", "list"]),
+    ("backward_int", {}, _mha_forward, lambda m: m.backward(MG.astype(np.int64)), TypeError,
+     ["grad_output", "int64"]),
+    ("backward_batch_first_shape", {}, _mha_forward, lambda m: m.backward(MG.transpose(1, 0, 2)), ValueError,
+     ["grad_output", "(3, 2, 6)", "(2, 3, 6)"]),
+    ("load_state_dict_int", {}, None,
+     lambda m: m.load_state_dict(_state(m, in_proj_weight=np.zeros((3 * E, E), np.int64))), TypeError,
+     ["in_proj_weight", "floating", "int64"]),
+    ("load_state_dict_complex", {}, None,
+     lambda m: m.load_state_dict(_state(m, in_proj_bias=np.zeros(3 * E, complex))), TypeError,
+     ["in_proj_bias", "complex128"]),
+    ("load_state_dict_list", {}, None,
+     lambda m: m.load_state_dict(_state(m, out_proj__bias=[0.0] * E)), TypeError, ["out_proj.bias", "list"]),
+    ("load_state_dict_misshaped_kdim", dict(kdim=5, vdim=3), None,
+     lambda m: m.load_state_dict(_state(m, k_proj_weight=np.zeros((E, E)))), ValueError,
+     ["k_proj_weight", "(6, 5)", "(6, 6)"]),
+    ("load_state_dict_fused_key_for_kdim", dict(kdim=5, vdim=3), None,
+     lambda m: m.load_state_dict(_state(m, in_proj_weight=np.zeros((3 * E, E)))), ValueError,
+     ["unexpected", "in_proj_weight"]),
+    ("load_state_dict_none", {}, None, lambda m: m.load_state_dict(None), TypeError,
+          ["state_dict", "NoneType"]),
+    ("memory_broadcast_batch", {}, _mha_forward,
+     lambda m: m(_big((L, HUGE, E), MQ[:, :1]), _big((S, HUGE, E), MK[:, :1]), _big((S, HUGE, E), MV[:, :1])),
+     MemoryError, []),
 ]
 
 
-@pytest.mark.parametrize("cid, config, setup, bad, exc, ws", MHA_BAD, ids=[c[0] for c in MHA_BAD])
-def test_multihead_attention_bad_input(cid, config, setup, bad, exc, ws):
-    attnpp.manual_seed(0)
-    make = _make_mha(**config)
-    layer = make()
-    rng = np.random.default_rng(0)
-    for p in layer.parameters():  # non-trivial biases too
-        p.data[...] = 0.5 * rng.standard_normal(p.shape)
-    if setup is not None:
-        setup(layer)
-    snapshot = _snapshot(layer)
-    with pytest.raises(exc, match=words(*ws)):
-        bad(layer)
-    _check_layer_unharmed(layer, make, snapshot, _run_mha)
+@pytest.mark.parametrize("config, setup, bad, exc, ws", cases(MHA_BAD))
+def test_multihead_attention_bad_input(config, setup, bad, exc, ws):
+    _layer_case(_make_mha(**config), setup, bad, exc, ws, _run_mha, randomize=True)
 
 
 def test_multihead_attention_correct_backward_after_wrong_one():
@@ -488,3 +1375,213 @@ def test_load_state_dict_failure_leaves_parameters_unchanged(change):
     layer.load_state_dict(good)
     for name, p in layer.named_parameters():
         np.testing.assert_array_equal(p.data, good[name], err_msg=name)
+
+
+# Attention(E=6, H=2, context_length=4, float64), batch first: x (B=2, L=3, E), context (2, S=4, kv_dim=5) for
+# cross-attention (kv_dim=5 in the config), grad_output (2, 3, 6)
+AX = randn(2, 3, 6, seed=90)
+AC = randn(2, 4, 5, seed=91)
+AG = randn(2, 3, 6, seed=92)
+
+
+def _make_attention(**kw):
+    return lambda: Attention(6, 2, context_length=4, dtype=np.float64, **kw)
+
+
+def _attention_inputs(layer):
+    return (AX,) if layer.kv_dim == layer.embed_dim else (AX, AC)
+
+
+def _run_attention(layer):
+    out, w = layer(*_attention_inputs(layer), need_weights=True, seed=7)
+    grads = layer.backward(AG)
+    return (out, w) + (grads if isinstance(grads, tuple) else (grads,))
+
+
+def _att_forward(layer):
+    layer(*_attention_inputs(layer), seed=7)
+
+
+def _att_forward_backward(layer):
+    layer(*_attention_inputs(layer), seed=7)
+    layer.backward(AG)
+
+
+CROSS = dict(kv_dim=5)
+HEADS_Q, HEADS_KV = [randn(6, 3, seed=93)] * 2, [randn(5, 3, seed=94)] * 2  # (in, d) per head, kv_dim=5
+
+# id, layer config, setup, failing call, exception, words
+ATTENTION_BAD = [
+    ("x_width", {}, None, lambda a: a(AX[..., :5]), ValueError, ["x", "embed_dim=6", "(2, 3, 5)"]),
+    ("x_1d", {}, None, lambda a: a(AX[0, 0]), ValueError, ["x", "(6,)"]),
+    ("x_4d", {}, None, lambda a: a(AX[None]), ValueError, ["x", "(1, 2, 3, 6)"]),
+    ("x_0d", {}, None, lambda a: a(np.array(1.0)), ValueError, ["x", "()"]),
+    ("x_float32", {}, None, lambda a: a(AX.astype(np.float32)), TypeError, ["x", "float32", "float64"]),
+    ("x_int", {}, None, lambda a: a(AX.astype(np.int64)), TypeError, ["x", "int64"]),
+    ("x_bool", {}, None, lambda a: a(AX > 0), TypeError, ["x", "bool"]),
+    ("x_complex", {}, None, lambda a: a(AX.astype(complex)), TypeError, ["x", "complex128"]),
+    ("x_object", {}, None, lambda a: a(AX.astype(object)), TypeError, ["x", "object"]),
+    ("x_float16", {}, None, lambda a: a(AX.astype(np.float16)), TypeError, ["x", "float16"]),
+    ("x_list", {}, None, lambda a: a(AX.tolist()), TypeError, ["x", "ndarray", "list"]),
+    ("x_none", {}, None, lambda a: a(None), TypeError, ["x", "NoneType"]),
+    ("x_scalar", {}, None, lambda a: a(1.0), TypeError, ["x", "float"]),
+    ("context_required", CROSS, None, lambda a: a(AX), ValueError, ["context", "kv_dim=5", "embed_dim=6"]),
+    ("context_width", CROSS, None, lambda a: a(AX, AX), ValueError, ["context", "kv_dim=5", "(2, 3, 6)"]),
+    ("context_unbatched_for_batched_x", CROSS, None, lambda a: a(AX, AC[0]), ValueError, ["context", "(4, 5)"]),
+    ("context_batch_mismatch", CROSS, None, lambda a: a(AX, randn(3, 4, 5)), ValueError,
+     ["x", "context", "batch", "(2, 3, 6)", "(3, 4, 5)"]),
+    ("context_float32", CROSS, None, lambda a: a(AX, AC.astype(np.float32)), TypeError,
+     ["context", "float32", "float64"]),
+    ("context_int", CROSS, None, lambda a: a(AX, AC.astype(np.int64)), TypeError, ["context", "int64"]),
+    ("context_list", CROSS, None, lambda a: a(AX, AC.tolist()), TypeError, ["context", "list"]),
+    ("x_longer_than_context_length", {}, None, lambda a: a(randn(2, 5, 6)), ValueError,
+     ["context_length=4", "(2, 5, 6)"]),
+    ("context_longer_than_context_length", CROSS, None, lambda a: a(AX, randn(2, 5, 5)), ValueError,
+     ["context_length=4", "(2, 5, 5)"]),
+    ("unbatched_longer_than_context_length", {}, None, lambda a: a(randn(5, 6)), ValueError,
+     ["context_length=4", "(5, 6)"]),
+    ("key_padding_mask_shape", {}, None, lambda a: a(AX, key_padding_mask=np.zeros((2, 4), bool)), ValueError,
+     ["key_padding_mask", "(2, 3)", "(2, 4)"]),
+    ("key_padding_mask_transposed", CROSS, None, lambda a: a(AX, AC, key_padding_mask=np.zeros((4, 2), bool)),
+     ValueError, ["key_padding_mask", "(2, 4)", "(4, 2)"]),
+    ("key_padding_mask_unbatched", {}, None, lambda a: a(AX[0], key_padding_mask=np.zeros((1, 3), bool)),
+     ValueError, ["key_padding_mask", "(3,)", "(1, 3)"]),
+    ("key_padding_mask_int", {}, None, lambda a: a(AX, key_padding_mask=np.zeros((2, 3), np.int64)), TypeError,
+     ["key_padding_mask", "int64"]),
+    ("key_padding_mask_float32", {}, None, lambda a: a(AX, key_padding_mask=np.zeros((2, 3), np.float32)),
+     TypeError, ["key_padding_mask", "float32", "float64"]),
+    ("key_padding_mask_complex", {}, None, lambda a: a(AX, key_padding_mask=np.zeros((2, 3), complex)),
+     TypeError, ["key_padding_mask", "complex128"]),
+    ("key_padding_mask_object", {}, None, lambda a: a(AX, key_padding_mask=np.zeros((2, 3), object)), TypeError,
+     ["key_padding_mask", "object"]),
+    ("key_padding_mask_list", {}, None, lambda a: a(AX, key_padding_mask=[[False] * 3] * 2), TypeError,
+     ["key_padding_mask", "list"]),
+    ("seed_str", dict(attn_dropout=0.2), None, lambda a: a(AX, seed="x"), TypeError, ["seed", "str"]),
+    ("seed_float", dict(out_dropout=0.2), None, lambda a: a(AX, seed=1.5), TypeError, ["seed", "float"]),
+    ("backward_before_forward", {}, None, lambda a: a.backward(AG), ValueError, ["backward", "forward"]),
+    ("backward_twice", {}, _att_forward_backward, lambda a: a.backward(AG), ValueError, ["backward", "forward"]),
+    ("backward_twice_dropout", dict(attn_dropout=0.2, out_dropout=0.2), _att_forward_backward,
+     lambda a: a.backward(AG), ValueError, ["backward", "forward"]),
+    ("backward_wrong_shape", {}, _att_forward, lambda a: a.backward(AG[..., :5]), ValueError,
+     ["grad_output", "(2, 3, 6)", "(2, 3, 5)"]),
+    ("backward_unbatched_shape", {}, _att_forward, lambda a: a.backward(AG[0]), ValueError,
+     ["grad_output", "(2, 3, 6)", "(3, 6)"]),
+    ("backward_wrong_dtype", {}, _att_forward, lambda a: a.backward(AG.astype(np.float32)), TypeError,
+     ["grad_output", "float32", "float64"]),
+    ("backward_int", {}, _att_forward, lambda a: a.backward(AG.astype(np.int64)), TypeError,
+     ["grad_output", "int64"]),
+    ("backward_list", {}, _att_forward, lambda a: a.backward(AG.tolist()), TypeError, ["grad_output", "list"]),
+    ("backward_none", {}, _att_forward, lambda a: a.backward(None), TypeError, ["grad_output", "NoneType"]),
+    ("failed_forward_after_forward", CROSS, _att_forward, lambda a: a(AX, randn(2, 5, 5)), ValueError,
+     ["context_length=4"]),
+    ("load_projections_q_shape", {}, None, lambda a: a.load_projections(q=np.zeros((6, 5))), ValueError,
+     ["q", "(6, 6)", "(6, 5)"]),
+    ("load_projections_k_matmul_shape", CROSS, None, lambda a: a.load_projections(k=np.zeros((6, 5)),
+                                                                                   layout="matmul"),
+     ValueError, ["k", "(5, 6)", "(6, 5)", "matmul"]),
+    ("load_projections_bias_shape", {}, None, lambda a: a.load_projections(q_bias=np.zeros(5)), ValueError,
+     ["q_bias", "(6,)", "(5,)"]),
+    ("load_projections_absent_bias", dict(bias=False), None, lambda a: a.load_projections(q_bias=np.zeros(6)),
+     ValueError, ["q_bias", "no such parameter"]),
+    ("load_projections_absent_out", dict(out_proj=False), None, lambda a: a.load_projections(out=np.eye(6)),
+     ValueError, ["out", "no such parameter"]),
+    ("load_projections_int", {}, None, lambda a: a.load_projections(q=np.zeros((6, 6), np.int64)), TypeError,
+     ["q", "floating", "int64"]),
+    ("load_projections_complex", {}, None, lambda a: a.load_projections(v=np.zeros((6, 6), complex)), TypeError,
+     ["v", "complex128"]),
+    ("load_projections_list", {}, None, lambda a: a.load_projections(q=np.eye(6).tolist()), TypeError,
+     ["q", "list"]),
+    ("load_projections_layout", {}, None, lambda a: a.load_projections(q=np.eye(6), layout="rows"), ValueError,
+     ["layout", "'rows'"]),
+    ("load_projections_second_bad", {}, None, lambda a: a.load_projections(q=np.eye(6), k=np.zeros((5, 6))),
+     ValueError, ["k", "(6, 6)", "(5, 6)"]),
+    ("load_fused_qkv_rows", {}, None, lambda a: a.load_fused_qkv(np.zeros((17, 6))), ValueError,
+     ["Wqkv", "(18, 6)", "(17, 6)"]),
+    ("load_fused_qkv_cols", {}, None, lambda a: a.load_fused_qkv(np.zeros((18, 5))), ValueError,
+     ["Wqkv", "(18, 6)", "(18, 5)"]),
+    ("load_fused_qkv_1d", {}, None, lambda a: a.load_fused_qkv(np.zeros(18)), ValueError,
+     ["Wqkv", "(18, 6)", "(18,)"]),
+    ("load_fused_qkv_bias_shape", {}, None, lambda a: a.load_fused_qkv(np.zeros((18, 6)), np.zeros(17)),
+     ValueError, ["Wqkv bias", "(18,)", "(17,)"]),
+    ("load_fused_qkv_absent_bias", dict(bias=False), None,
+     lambda a: a.load_fused_qkv(np.zeros((18, 6)), np.zeros(18)), ValueError, ["Wqkv bias", "no such parameter"]),
+    ("load_fused_qkv_kv_dim", CROSS, None, lambda a: a.load_fused_qkv(np.zeros((18, 6))), ValueError,
+     ["Wqkv", "embed_dim=6", "kv_dim=5"]),
+    ("load_fused_qkv_int", {}, None, lambda a: a.load_fused_qkv(np.zeros((18, 6), np.int64)), TypeError,
+     ["Wqkv", "int64"]),
+    ("load_fused_qkv_none", {}, None, lambda a: a.load_fused_qkv(None), TypeError, ["Wqkv", "NoneType"]),
+    ("load_fused_qkv_list", {}, None, lambda a: a.load_fused_qkv([[0.0] * 6] * 18), TypeError, ["Wqkv", "list"]),
+    ("load_fused_qkv_bias_list", {}, None, lambda a: a.load_fused_qkv(np.zeros((18, 6)), [0.0] * 18), TypeError,
+     ["Wqkv bias", "list"]),
+    ("load_fused_kv_shape", CROSS, None, lambda a: a.load_fused_kv(np.zeros((12, 6))), ValueError,
+     ["Wkv", "(12, 5)", "(12, 6)"]),
+    ("load_fused_kv_bias_shape", CROSS, None, lambda a: a.load_fused_kv(np.zeros((12, 5)), np.zeros(6)),
+     ValueError, ["Wkv bias", "(12,)", "(6,)"]),
+    ("load_heads_count", CROSS, None, lambda a: a.load_heads(HEADS_Q[:1], HEADS_KV, HEADS_KV), ValueError,
+     ["q", "2 heads", "1"]),
+    ("load_heads_none", CROSS, None, lambda a: a.load_heads(None, HEADS_KV, HEADS_KV), TypeError,
+     ["q", "NoneType"]),
+    ("load_heads_mismatched", CROSS, None,
+     lambda a: a.load_heads([HEADS_Q[0], HEADS_Q[0][:, :2]], HEADS_KV, HEADS_KV), ValueError,
+     ["q", "(6, 3)", "(6, 2)"]),
+    ("load_heads_1d", CROSS, None, lambda a: a.load_heads([np.zeros(3)] * 2, HEADS_KV, HEADS_KV), ValueError,
+     ["q", "(6, 3)", "(3,)"]),
+    ("load_heads_wrong_in_width", CROSS, None, lambda a: a.load_heads(HEADS_Q, HEADS_Q, HEADS_KV), ValueError,
+     ["k", "(5, 3)", "(6, 3)"]),
+    ("load_heads_linear_layout", CROSS, None,
+     lambda a: a.load_heads(HEADS_Q, HEADS_KV, HEADS_KV, layout="linear"), ValueError, ["q", "(3, 6)", "(6, 3)"]),
+    ("load_heads_int", CROSS, None, lambda a: a.load_heads(HEADS_Q, HEADS_KV, [np.zeros((5, 3), np.int64)] * 2),
+     TypeError, ["v", "int64"]),
+    ("load_heads_list", CROSS, None, lambda a: a.load_heads([h.tolist() for h in HEADS_Q], HEADS_KV, HEADS_KV),
+     TypeError, ["q", "list"]),
+    ("load_heads_layout", CROSS, None, lambda a: a.load_heads(HEADS_Q, HEADS_KV, HEADS_KV, layout="x"),
+     ValueError, ["layout", "'x'"]),
+    ("load_state_dict_missing_key", {}, None, lambda a: a.load_state_dict(_state(a, out_proj__bias=None)),
+     ValueError, ["missing", "out_proj.bias"]),
+    ("load_state_dict_unexpected_key", {}, None,
+     lambda a: a.load_state_dict(_state(a, in_proj_weight=np.zeros((18, 6)))), ValueError,
+     ["unexpected", "in_proj_weight"]),
+    ("load_state_dict_misshaped", {}, None,
+     lambda a: a.load_state_dict(_state(a, q_proj__weight=np.zeros((6, 5)))), ValueError,
+     ["q_proj.weight", "(6, 6)", "(6, 5)"]),
+    ("load_state_dict_int", {}, None,
+     lambda a: a.load_state_dict(_state(a, k_proj__weight=np.zeros((6, 6), np.int64))), TypeError,
+     ["k_proj.weight", "floating", "int64"]),
+    ("load_state_dict_list", {}, None, lambda a: a.load_state_dict(_state(a, v_proj__bias=[0.0] * 6)), TypeError,
+     ["v_proj.bias", "list"]),
+    ("load_state_dict_none", {}, None, lambda a: a.load_state_dict(None), TypeError,
+          ["state_dict", "NoneType"]),
+    ("memory_broadcast_batch", {}, _att_forward, lambda a: a(_big((HUGE, 3, 6), AX[0])), MemoryError, []),
+]
+
+
+@pytest.mark.parametrize("config, setup, bad, exc, ws", cases(ATTENTION_BAD))
+def test_attention_bad_input(config, setup, bad, exc, ws):
+    _layer_case(_make_attention(**config), setup, bad, exc, ws, _run_attention, randomize=True)
+
+
+@pytest.mark.parametrize("config", [{}, CROSS, dict(attn_dropout=0.2, out_dropout=0.3)], ids=["self", "cross",
+                                                                                                "dropout"])
+def test_attention_correct_backward_after_wrong_one(config):
+    """A refused backward, or a refused forward in between, leaves the forward's context: the backward is right."""
+    make = _make_attention(**config)
+    attnpp.manual_seed(0)
+    layer, fresh = make(), make()
+    fresh.load_state_dict(layer.state_dict())
+    for m in (layer, fresh):
+        m.zero_grad()
+    out = layer(*_attention_inputs(layer), seed=11)
+    with pytest.raises(ValueError, match=words("grad_output", "(2, 3, 6)", "(3, 2, 6)")):
+        layer.backward(np.ascontiguousarray(AG.transpose(1, 0, 2)))
+    with pytest.raises(ValueError, match="context_length"):
+        layer(randn(2, 5, 6), *(_attention_inputs(layer)[1:]))
+    with pytest.raises(TypeError, match=words("grad_output", "float32")):
+        layer.backward(AG.astype(np.float32))
+    grads = layer.backward(AG)
+    ref_out = fresh(*_attention_inputs(fresh), seed=11)
+    ref = fresh.backward(AG)
+    np.testing.assert_allclose(out, ref_out, rtol=1e-12, atol=1e-14)
+    for a, b in zip(grads if isinstance(grads, tuple) else (grads,), ref if isinstance(ref, tuple) else (ref,)):
+        np.testing.assert_allclose(a, b, rtol=1e-12, atol=1e-14)
+    for (name, p), (_, q) in zip(layer.named_parameters(), fresh.named_parameters()):
+        np.testing.assert_allclose(p.grad, q.grad, rtol=1e-12, atol=1e-14, err_msg=name)

@@ -24,6 +24,7 @@ __all__ = [
 ]
 
 _FLOATS = (np.dtype(np.float32), np.dtype(np.float64))
+_MAX_ELEMENTS = np.iinfo(np.intp).max // 8  # more elements than any array can hold
 _CAUSAL = {"top_left": 1, "bottom_right": 2}
 
 
@@ -97,6 +98,13 @@ def check_int(value, name, minimum=0):
     return int(value)
 
 
+def check_bool(value, name):
+    """``value`` as a bool (Python or NumPy), else TypeError naming ``name``."""
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{name}: expected a bool, got {type(value).__name__}")
+    return bool(value)
+
+
 def additive_mask(mask, dtype, name, true_means_masked):
     """A boolean or float mask as a float mask to add to the scores (0 or -inf for booleans)."""
     if not isinstance(mask, np.ndarray):
@@ -127,21 +135,27 @@ def mask_arg(mask, full_shape):
 
 
 def _broadcast_shape(name, *shapes):
-    try:
-        return np.broadcast_shapes(*shapes)
-    except ValueError:
-        raise ValueError(f"{name}: shapes {', '.join(map(str, shapes))} do not broadcast") from None
+    """NumPy's broadcast of ``shapes`` (without its limit on the total size: a too large result is for the
+    caller's MemoryError), else ValueError naming them."""
+    ndim = max(map(len, shapes))
+    out = []
+    for i in range(-ndim, 0):
+        sizes = {s[i] for s in shapes if len(s) >= -i} - {1}
+        if len(sizes) > 1:
+            raise ValueError(f"{name}: shapes {', '.join(map(str, shapes))} do not broadcast")
+        out.append(sizes.pop() if sizes else 1)
+    return tuple(out)
 
 
 class _Problem:
     """A validated attention call: the inputs seen as (N, H, rows, cols) plus everything the core needs."""
 
     def __init__(self, query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, seed,
-                 causal_alignment, need_seed=False):
+                 causal_alignment, need_seed=False, has_value=True):
         query = check_array(query, "query", min_ndim=2)
         dtype = query.dtype
         key = check_array(key, "key", min_ndim=2, dtype=dtype)
-        if value is not None:
+        if has_value:  # (the weights have none)
             value = check_array(value, "value", min_ndim=2, dtype=dtype)
         if query.shape[-1] != key.shape[-1]:
             raise ValueError(f"query and key must have the same last dimension (D), got query {query.shape} "
@@ -151,6 +165,7 @@ class _Problem:
                              f"and value {value.shape}")
         check_probability(dropout_p, "dropout_p")
         check_scale(scale)
+        is_causal, enable_gqa = check_bool(is_causal, "is_causal"), check_bool(enable_gqa, "enable_gqa")
         self.causal = causal_code(is_causal, causal_alignment)
         if is_causal and attn_mask is not None:
             raise ValueError("attn_mask must be None when is_causal=True (as in PyTorch): pass one or the other")
@@ -176,7 +191,10 @@ class _Problem:
             batch, Hq = full[:-1], full[-1]
             Hk = Hq
         self.batch, self.Hq, self.Hk, self.L, self.S, self.D, self.Dv = batch, Hq, Hk, L, S, D, Dv
-        self.N = int(np.prod(batch, dtype=np.int64))
+        self.N = math.prod(batch)
+        if self.N * Hq * max(L, S) * max(L, S, D, Dv, 1) > _MAX_ELEMENTS:  # (as np.empty's MemoryError)
+            raise MemoryError(f"attention of batch {tuple(batch)}, {Hq} heads, L={L}, S={S}, D={D}, Dv={Dv}: too "
+                              f"large to allocate")
         self.q4 = self._as4(query, Hq, L, D)
         self.k4 = self._as4(key, Hk, S, D)
         self.v4 = self._as4(value, Hk, S, Dv) if value is not None else np.zeros((self.N, Hk, S, 0), dtype)
@@ -244,9 +262,11 @@ _ARGS_DOC = """
 """
 _ERRORS_DOC = """
     Raises:
-        TypeError: an input that is not a float32/float64 ndarray, mixed dtypes, a mask of another dtype.
+        TypeError: an input that is not a float32/float64 ndarray (value is required but by the weights), mixed
+            dtypes, a mask of another dtype, is_causal or enable_gqa not a bool.
         ValueError: shapes that do not agree or broadcast (named with their shapes), a mask that does not
             broadcast to (B..., Hq, L, S), dropout_p outside [0, 1), attn_mask given with is_causal=True.
+        MemoryError: a problem too large to allocate.
 
     A query row whose keys are all masked gives output 0 and gradient 0, never NaN (as PyTorch >= 2.5).
     Method: Vaswani et al., "Attention Is All You Need" (2017); computed as FlashAttention-2 (Dao, 2023): key
@@ -334,7 +354,8 @@ scaled_dot_product_attention_backward.__doc__ = """Gradients of ``scaled_dot_pro
 def scaled_dot_product_attention_weights(query, key, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
                                          enable_gqa=False, *, seed=None, causal_alignment="top_left",
                                          logsumexp=None):
-    p = _Problem(query, key, None, attn_mask, dropout_p, is_causal, scale, enable_gqa, seed, causal_alignment)
+    p = _Problem(query, key, None, attn_mask, dropout_p, is_causal, scale, enable_gqa, seed, causal_alignment,
+                 has_value=False)
     if logsumexp is None:  # a forward with Dv = 0 computes the log-sum-exp alone
         lse = np.empty((p.N, p.Hq, p.L), p.dtype)
         _core.sdpa_forward(np.empty((p.N, p.Hq, p.L, 0), p.dtype), lse, p.q4, p.k4, p.v4, *p.core_args())
@@ -376,9 +397,25 @@ def dropout_mask(shape, p, seed):
 
     Returns:
         ndarray of bool, of ``shape``.
+
+    Raises:
+        TypeError: shape not a sequence of ints, p not a float, seed not an int. ValueError: a negative
+        dimension, p outside [0, 1). MemoryError: a shape too large to allocate.
     """
+    if not isinstance(shape, (tuple, list)) and not (isinstance(shape, np.ndarray) and shape.ndim == 1):
+        raise TypeError(f"shape: expected a tuple of ints, got {type(shape).__name__}")
+    dims = []
+    for s in shape:
+        if not isinstance(s, numbers.Integral) or isinstance(s, bool):
+            raise TypeError(f"shape: expected a tuple of ints, got {tuple(shape)} (a {type(s).__name__})")
+        if s < 0:
+            raise ValueError(f"shape: expected non-negative dimensions, got {tuple(shape)}")
+        dims.append(int(s))
     p = check_probability(p, "p")
-    return _core.dropout_mask([check_int(s, "shape") for s in shape], p, check_seed(seed))
+    seed = check_seed(seed)
+    if math.prod(dims) > _MAX_ELEMENTS:
+        raise MemoryError(f"dropout_mask: shape {tuple(dims)} is too large to allocate")
+    return _core.dropout_mask(dims, p, seed)
 
 
 def linear(input, weight, bias=None):
@@ -419,7 +456,39 @@ def _linear(input, weight, bias):
 def linear_backward(grad_output, input, weight, grad_weight, grad_bias=None, need_input_grad=True):
     """Gradients of ``linear``: returns grad_input (*, Fin) (None if not ``need_input_grad``) and accumulates
     (+=) into ``grad_weight`` (Fout, Fin) and ``grad_bias`` (Fout,) when given (C-contiguous, written in place).
+
+    Raises:
+        TypeError: an argument that is not a float ndarray of the input's dtype. ValueError: shapes that do not
+        agree (grad_output must be input.shape[:-1] + (Fout,)), a grad_weight or grad_bias not C-contiguous
+        or read-only.
     """
+    input = check_array(input, "input", min_ndim=1)
+    dt = input.dtype
+    weight = check_array(weight, "weight", ndim=2, dtype=dt)
+    check_array(grad_output, "grad_output", dtype=dt)
+    check_array(grad_weight, "grad_weight", ndim=2, dtype=dt)
+    if grad_bias is not None:
+        check_array(grad_bias, "grad_bias", ndim=1, dtype=dt)
+    if input.shape[-1] != weight.shape[1]:
+        raise ValueError(f"input: last dimension must be weight's in_features {weight.shape[1]}, got input "
+                         f"{input.shape} and weight {weight.shape}")
+    want = input.shape[:-1] + (weight.shape[0],)
+    if grad_output.shape != want:
+        raise ValueError(f"grad_output: expected shape {want} (input's batch, weight's out_features), got "
+                         f"{grad_output.shape}")
+    for name, g, shape in (("grad_weight", grad_weight, weight.shape),
+                           ("grad_bias", grad_bias, (weight.shape[0],))):
+        if g is None:
+            continue
+        if g.shape != shape:
+            raise ValueError(f"{name}: expected shape {shape}, got {g.shape}")
+        if not g.flags.c_contiguous or not g.flags.writeable:
+            raise ValueError(f"{name}: expected a C-contiguous, writeable array (written in place)")
+    return _linear_backward(grad_output, input, weight, grad_weight, grad_bias, need_input_grad)
+
+
+def _linear_backward(grad_output, input, weight, grad_weight, grad_bias=None, need_input_grad=True):
+    """``linear_backward`` without the checks, for layers that have made them."""
     x2 = np.ascontiguousarray(input).reshape(-1, input.shape[-1])
     dy = np.ascontiguousarray(grad_output).reshape(x2.shape[0], weight.shape[0])
     dx = _zeros(x2.shape, x2.dtype) if need_input_grad else None
@@ -443,11 +512,11 @@ def dropout(input, p=0.5, training=True, *, seed=None):
         ndarray of the input's shape and dtype.
 
     Raises:
-        TypeError: a non-float input or a non-number p. ValueError: p outside [0, 1).
+        TypeError: a non-float input, a non-number p, training not a bool. ValueError: p outside [0, 1).
     """
     check_array(input, "input")
     p = check_probability(p, "p")
-    if not training or p == 0.0:
+    if not check_bool(training, "training") or p == 0.0:
         return input
     out = _empty(input.shape, input.dtype)
     _core.dropout_forward(out, np.ascontiguousarray(input), p, check_seed(seed))
@@ -455,9 +524,16 @@ def dropout(input, p=0.5, training=True, *, seed=None):
 
 
 def dropout_backward(grad_output, p, seed):
-    """Gradient of ``dropout`` for the same ``p`` and ``seed``: grad_output * mask / (1 - p)."""
+    """Gradient of ``dropout`` for the same ``p`` and ``seed``: grad_output * mask / (1 - p).
+
+    Raises:
+        TypeError: a non-float grad_output, a non-number p, a seed not an int. ValueError: p outside [0, 1), no
+        seed (None) with p > 0: the forward's seed is needed.
+    """
     check_array(grad_output, "grad_output")
     p = check_probability(p, "p")
+    if seed is None and p > 0:
+        raise ValueError("seed: dropout_backward with p > 0 needs the seed given to the forward, got None")
     grad = _zeros(grad_output.shape, grad_output.dtype)
     if p == 0.0:
         return grad + grad_output
@@ -471,13 +547,12 @@ def check_index(index, name, size, allowed=None):
         raise TypeError(f"{name}: expected a numpy.ndarray of integers, got {type(index).__name__}")
     if index.dtype.kind not in "iu":
         raise TypeError(f"{name}: expected an integer dtype, got {index.dtype}")
-    index = np.asarray(index, dtype=np.int64, order="C")  # (ascontiguousarray would make 0-d arrays 1-d)
-    bad = (index < 0) | (index >= size)
+    bad = (index < 0) | (index >= size)  # (before the cast to int64, which would wrap large uint64 values)
     if allowed is not None:
         bad &= index != allowed
     if bad.any():
         raise IndexError(f"{name}: value {int(index[bad][0])} out of range [0, {size})")
-    return index
+    return np.asarray(index, dtype=np.int64, order="C")  # (ascontiguousarray would make 0-d arrays 1-d)
 
 
 def embedding(input, weight):
@@ -491,7 +566,8 @@ def embedding(input, weight):
         ndarray (*, E).
 
     Raises:
-        TypeError: non-integer indices or a non-float weight. IndexError: an index outside [0, V).
+        TypeError: non-integer indices or a non-float weight. ValueError: a weight that is not 2-D. IndexError: an
+        index outside [0, V).
     """
     check_array(weight, "weight", ndim=2)
     index = check_index(input, "input", weight.shape[0])
@@ -506,19 +582,48 @@ def embedding_backward(grad_output, input, grad_weight):
     Args:
         grad_output (ndarray): (*, E). input (ndarray): the forward's indices (*). grad_weight (ndarray): (V, E),
             C-contiguous, written in place.
+
+    Raises:
+        TypeError: non-integer indices, a grad_output or grad_weight not a float ndarray, or of different dtypes.
+        ValueError: grad_output not of shape input.shape + (E,), grad_weight not 2-D, C-contiguous and
+        writeable. IndexError: an index outside [0, V).
     """
+    check_array(grad_weight, "grad_weight", ndim=2)
+    check_array(grad_output, "grad_output", dtype=grad_weight.dtype)
+    if not grad_weight.flags.c_contiguous or not grad_weight.flags.writeable:
+        raise ValueError("grad_weight: expected a C-contiguous, writeable array (written in place)")
     index = check_index(input, "input", grad_weight.shape[0])
     E = grad_weight.shape[1]
+    if grad_output.shape != index.shape + (E,):
+        raise ValueError(f"grad_output: expected shape {index.shape + (E,)} (input's shape, E), got "
+                         f"{grad_output.shape}")
     _core.embedding_backward(grad_weight, np.ascontiguousarray(grad_output).reshape(-1, E), index)
 
 
 _REDUCTIONS = ("mean", "sum", "none")
+_INT64 = np.iinfo(np.int64)
+
+
+def check_reduction(reduction):
+    """``reduction`` if it is 'mean', 'sum' or 'none', else ValueError."""
+    if not isinstance(reduction, str) or reduction not in _REDUCTIONS:
+        raise ValueError(f"reduction must be 'mean', 'sum' or 'none', got {reduction!r}")
+    return reduction
+
+
+def check_ignore_index(ignore_index):
+    """``ignore_index`` as an int in int64's range, else TypeError/ValueError."""
+    if not isinstance(ignore_index, numbers.Integral) or isinstance(ignore_index, bool):
+        raise TypeError(f"ignore_index: expected an int, got {type(ignore_index).__name__}")
+    if not _INT64.min <= ignore_index <= _INT64.max:
+        raise ValueError(f"ignore_index must fit in int64, got {ignore_index}")
+    return int(ignore_index)
 
 
 def _cross_entropy_args(input, target, ignore_index, reduction):
     check_array(input, "input", ndim=(1, 2))
-    if reduction not in _REDUCTIONS:
-        raise ValueError(f"reduction must be 'mean', 'sum' or 'none', got {reduction!r}")
+    check_reduction(reduction)
+    check_ignore_index(ignore_index)
     logits = input if input.ndim == 2 else input[None]
     N, C = logits.shape
     target = check_index(target, "target", C, allowed=ignore_index)
@@ -568,18 +673,46 @@ def cross_entropy(input, target, ignore_index=-100, reduction="mean"):
         ndarray: a 0-d array (mean, sum) or (N,) losses (none), of the input's dtype.
 
     Raises:
-        TypeError: non-float input, non-integer target. ValueError: shapes that do not agree, an unknown
-        reduction. IndexError: a target outside [0, C) other than ignore_index.
+        TypeError: non-float input, non-integer target, ignore_index not an int. ValueError: shapes that do not
+        agree, an unknown reduction. IndexError: a target outside [0, C) other than ignore_index.
     """
     return cross_entropy_forward(input, target, ignore_index, reduction)[0]
+
+
+def check_loss_grad(grad_output, dtype, shape):
+    """The gradient of a loss of ``shape``: a real number (when the loss is 0-d) or an ndarray of ``shape`` and
+    ``dtype``, else TypeError/ValueError."""
+    if isinstance(grad_output, numbers.Real) and not isinstance(grad_output, (bool, np.bool_)):
+        if shape != ():
+            raise ValueError(f"grad_output: expected shape {shape} (the loss's), got a scalar")
+        return
+    if not isinstance(grad_output, np.ndarray):
+        raise TypeError(f"grad_output: expected a float or a numpy.ndarray, got {type(grad_output).__name__}")
+    check_array(grad_output, "grad_output", dtype=dtype)
+    if grad_output.shape != shape:
+        raise ValueError(f"grad_output: expected shape {shape} (the loss's), got {grad_output.shape}")
 
 
 def cross_entropy_backward(grad_output, input, target, stats, ignore_index=-100, reduction="mean"):
     """Gradient of ``cross_entropy`` with respect to ``input``: ``(softmax(input) - onehot(target)) * w`` with
     w = grad_output / (number of rows not ignored) for the mean, grad_output for the sum, grad_output[i] for
     none; 0 on ignored rows. ``stats`` (N, 2) is what ``cross_entropy_forward`` returned. Writes one new array of
-    the input's shape (no other copy of the logits)."""
+    the input's shape (no other copy of the logits).
+
+    Args:
+        grad_output (float or ndarray): the gradient of the loss: a number or a 0-d array for "mean" and "sum",
+            an array of the loss's shape for "none"; arrays of the input's dtype.
+
+    Raises:
+        as ``cross_entropy``; and TypeError/ValueError: a grad_output or stats of another type, dtype or shape
+        than the loss's and (N, 2).
+    """
     logits, tgt = _cross_entropy_args(input, target, ignore_index, reduction)
+    check_loss_grad(grad_output, logits.dtype, (tgt.shape if input.ndim == 2 else ()) if reduction == "none"
+                    else ())
+    check_array(stats, "stats", dtype=logits.dtype)
+    if stats.shape != tgt.shape + (2,):
+        raise ValueError(f"stats: expected shape {tgt.shape + (2,)} (N, 2), got {stats.shape}")
     kept = tgt != ignore_index
     g = np.asarray(grad_output, dtype=logits.dtype)
     if reduction == "none":
@@ -588,5 +721,6 @@ def cross_entropy_backward(grad_output, input, target, stats, ignore_index=-100,
         g = g / max(kept.sum(), 1)
     row_weight = np.where(kept, g, 0)  # exactly 0 on ignored rows, even for a NaN grad_output
     grad = _empty(logits.shape, logits.dtype)
-    _core.cross_entropy_backward(grad, np.ascontiguousarray(row_weight, dtype=logits.dtype), stats, logits, tgt)
+    _core.cross_entropy_backward(grad, np.ascontiguousarray(row_weight, dtype=logits.dtype),
+                                 np.ascontiguousarray(stats), logits, tgt)
     return grad.reshape(input.shape)

@@ -1,4 +1,7 @@
 """Optimizers with PyTorch's update rules, run in the C++ core on each parameter's buffers in place."""
+import math
+import numbers
+
 import numpy as np
 
 from . import _core
@@ -9,15 +12,20 @@ class Optimizer:
     """Base class: holds the parameters (``attnpp.nn.Parameter``) and their per-parameter state."""
 
     def __init__(self, params, defaults):
+        if isinstance(params, (Parameter, np.ndarray)) or not hasattr(params, "__iter__"):
+            hint = " (pass layer.parameters())" if hasattr(params, "parameters") else ""
+            raise TypeError(f"params: expected an iterable of attnpp.nn.Parameter, got {type(params).__name__}"
+                            f"{hint}")
         self.params = list(params)
         if not self.params:
-            raise ValueError("optimizer got an empty parameter list")
+            raise ValueError("params: optimizer got an empty parameter list")
         for p in self.params:
             if not isinstance(p, Parameter):
                 raise TypeError(f"params: expected attnpp.nn.Parameter, got {type(p).__name__}")
+        if len({id(p) for p in self.params}) != len(self.params):
+            raise ValueError("params: a parameter appears more than once (it would be updated twice per step)")
         for name, value in defaults.items():
-            if value < 0:
-                raise ValueError(f"{name} must be >= 0, got {value}")
+            _check_hyper(value, name)
         self.defaults = defaults
         self.state = [dict() for _ in self.params]
 
@@ -25,6 +33,15 @@ class Optimizer:
         """Set every parameter's gradient to zero."""
         for p in self.params:
             p.zero_grad()
+
+
+def _check_hyper(value, name):
+    """``value`` as a finite float >= 0, else TypeError/ValueError naming ``name``."""
+    if not isinstance(value, numbers.Real) or isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{name}: expected a float, got {type(value).__name__}")
+    if not (value >= 0 and math.isfinite(value)):
+        raise ValueError(f"{name} must be >= 0 and finite, got {value}")
+    return float(value)
 
 
 class SGD(Optimizer):
@@ -39,8 +56,9 @@ class SGD(Optimizer):
         weight_decay (float): L2 penalty. Default 0. nesterov (bool): Default False.
 
     Raises:
-        ValueError: a negative hyper-parameter, an empty parameter list, Nesterov without momentum.
-        TypeError: something other than attnpp parameters.
+        ValueError: a negative or non-finite hyper-parameter, an empty parameter list or one with a parameter
+        twice, Nesterov without momentum.
+        TypeError: something other than attnpp parameters, a hyper-parameter that is not a number.
     """
 
     def __init__(self, params, lr, momentum=0.0, dampening=0.0, weight_decay=0.0, nesterov=False):
@@ -73,13 +91,21 @@ class AdamW(Optimizer):
         weight_decay (float): Default 1e-2.
 
     Raises:
-        ValueError: a negative hyper-parameter, betas outside [0, 1), an empty parameter list.
-        TypeError: something other than attnpp parameters.
+        ValueError: a negative or non-finite hyper-parameter, betas outside [0, 1), an empty parameter list or
+        one with a parameter twice.
+        TypeError: something other than attnpp parameters, hyper-parameters that are not numbers.
     """
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2):
         super().__init__(params, dict(lr=lr, eps=eps, weight_decay=weight_decay))
-        if not all(0.0 <= b < 1.0 for b in betas) or len(betas) != 2:
+        if not isinstance(betas, (tuple, list)):
+            raise TypeError(f"betas: expected two floats in [0, 1), got {type(betas).__name__}")
+        if len(betas) != 2:
+            raise ValueError(f"betas must be two floats in [0, 1), got {betas!r}")
+        for b in betas:
+            if not isinstance(b, numbers.Real) or isinstance(b, (bool, np.bool_)):
+                raise TypeError(f"betas: expected two floats in [0, 1), got {betas!r}")
+        if not all(0.0 <= b < 1.0 for b in betas):
             raise ValueError(f"betas must be two floats in [0, 1), got {betas}")
         self.lr, self.betas, self.eps, self.weight_decay = float(lr), tuple(map(float, betas)), float(eps), \
             float(weight_decay)

@@ -10,6 +10,17 @@ from .module import Module, to_numpy
 _LAYOUTS = ("linear", "matmul")
 
 
+def _as_array(value, name):
+    """A weight given to a ``load_*`` method (NumPy array or torch tensor) as a floating ndarray, else TypeError
+    naming the argument."""
+    if not isinstance(value, np.ndarray) and not (hasattr(value, "detach") and hasattr(value, "cpu")):
+        raise TypeError(f"{name}: expected an array or tensor, got {type(value).__name__}")
+    value = to_numpy(value, name)
+    if value.dtype.kind != "f":
+        raise TypeError(f"{name}: expected a floating dtype, got {value.dtype}")
+    return value
+
+
 class Attention(Module):
     r"""A general attention layer: self- or cross-attention, one or many heads, causal or not.
 
@@ -45,7 +56,8 @@ class Attention(Module):
 
     Raises:
         ValueError: H not dividing qk_dim or v_dim, a non-positive width, dropout outside [0, 1).
-        TypeError: a dtype other than float32 or float64, widths that are not ints.
+        TypeError: a dtype other than float32 or float64, widths that are not ints, dropouts that are not floats.
+        MemoryError: widths too large to allocate.
     """
 
     def __init__(self, embed_dim, num_heads=1, *, qk_dim=None, v_dim=None, kv_dim=None, out_dim=None, bias=True,
@@ -64,16 +76,18 @@ class Attention(Module):
         self._causal_code = F.causal_code(causal, causal_alignment)
         self.causal, self.causal_alignment = bool(causal), causal_alignment
         self.attn_dropout = F.check_probability(attn_dropout, "attn_dropout")
+        out_dropout = F.check_probability(out_dropout, "out_dropout")
         scale = F.check_scale(scale)
         self.scale = (self.qk_dim // self.num_heads) ** -0.5 if scale is None else scale
         self.context_length = None if context_length is None else F.check_int(context_length, "context_length", 1)
         self.q_proj = Linear(E, self.qk_dim, bias=bias, dtype=self.dtype)
         self.k_proj = Linear(self.kv_dim, self.qk_dim, bias=bias, dtype=self.dtype)
         self.v_proj = Linear(self.kv_dim, self.v_dim, bias=bias, dtype=self.dtype)
+        out_dim = None if out_dim is None else F.check_int(out_dim, "out_dim", 1)
         self.out_dim = self.v_dim
         self.out_proj = None
         if out_proj:
-            self.out_dim = self.v_dim if out_dim is None else F.check_int(out_dim, "out_dim", 1)
+            self.out_dim = self.v_dim if out_dim is None else out_dim
             self.out_proj = Linear(self.v_dim, self.out_dim, bias=bias if out_bias is None else out_bias,
                                    dtype=self.dtype)
         elif out_dim is not None and out_dim != self.v_dim:
@@ -199,16 +213,20 @@ class Attention(Module):
         return grad_x + grad_c if ctx["self_attention"] else (grad_x, grad_c)
 
     # ---------------------------------------------------------------------------------------- weight loading
-    def _assign_all(self, pairs):
-        """Copy (parameter, value, name) triples after checking every shape, so a failed load changes nothing."""
+    def _assign_all(self, pairs, layout="linear"):
+        """Copy (parameter, value, name) triples after checking every shape, so a failed load changes nothing.
+        With ``layout="matmul"`` the values are the transposes of what was given (shapes reported as given)."""
         checked = []
         for param, value, name in pairs:
             if value is None:
                 continue
             if param is None:
                 raise ValueError(f"{name}: this layer has no such parameter (bias=False or out_proj=False)")
-            value = to_numpy(value, name)
+            value = _as_array(value, name)
             if value.shape != param.shape:
+                if layout == "matmul":  # (a 1-D bias reads the same)
+                    raise ValueError(f"{name}: expected shape {param.shape[::-1]} (layout='matmul': (in, out)), "
+                                     f"got {value.shape[::-1]}")
                 raise ValueError(f"{name}: expected shape {param.shape}, got {value.shape}")
             checked.append((param, value))
         for param, value in checked:
@@ -221,7 +239,7 @@ class Attention(Module):
                              f"got {layout!r}")
         if weight is None:
             return None
-        weight = to_numpy(weight, name)
+        weight = _as_array(weight, name)
         return weight.T if layout == "matmul" else weight
 
     def load_projections(self, q=None, k=None, v=None, out=None, *, q_bias=None, k_bias=None, v_bias=None,
@@ -236,7 +254,8 @@ class Attention(Module):
             layout (str): ``"linear"`` or ``"matmul"``. Default: ``"linear"``.
 
         Raises:
-            ValueError: a shape that does not match (nothing is loaded then), a bias the layer does not have.
+            ValueError: a shape that does not match, a bias the layer does not have, an unknown layout (nothing is
+            loaded then). TypeError: a value that is not a floating array or tensor.
         """
         out_lin = self.out_proj
         self._assign_all([
@@ -246,18 +265,23 @@ class Attention(Module):
             (None if out_lin is None else out_lin.weight, self._as_linear(out, layout, "out"), "out"),
             (self.q_proj.bias, q_bias, "q_bias"), (self.k_proj.bias, k_bias, "k_bias"),
             (self.v_proj.bias, v_bias, "v_bias"), (None if out_lin is None else out_lin.bias, out_bias, "out_bias"),
-        ])
+        ], layout)
 
     def _split_rows(self, weight, bias, parts, name):
         widths = [self.qk_dim if p in (self.q_proj, self.k_proj) else self.v_dim for p in parts]
-        weight = to_numpy(weight, name)
+        inputs = {p.in_features for p in parts}
+        if len(inputs) > 1:
+            raise ValueError(f"{name}: a fused weight needs one input width, but this layer's embed_dim="
+                             f"{self.embed_dim} and kv_dim={self.kv_dim} differ: use load_projections")
+        weight = _as_array(weight, name)
         bounds = np.cumsum([0] + widths)
-        if weight.ndim != 2 or weight.shape[0] != bounds[-1]:
-            raise ValueError(f"{name}: expected {bounds[-1]} rows (the outputs {widths} stacked), got shape "
-                             f"{weight.shape}")
+        want = (int(bounds[-1]), inputs.pop())
+        if weight.shape != want:
+            raise ValueError(f"{name}: expected shape {want}: {want[0]} rows (the outputs {widths} stacked) of "
+                             f"{want[1]} inputs, got {weight.shape}")
         pairs = [(p.weight, weight[a:b], name) for p, a, b in zip(parts, bounds[:-1], bounds[1:])]
         if bias is not None:
-            bias = to_numpy(bias, name + " bias")
+            bias = _as_array(bias, name + " bias")
             if bias.shape != (bounds[-1],):
                 raise ValueError(f"{name} bias: expected shape ({bounds[-1]},), got {bias.shape}")
             pairs += [(p.bias, bias[a:b], name + " bias") for p, a, b in zip(parts, bounds[:-1], bounds[1:])]
@@ -271,7 +295,8 @@ class Attention(Module):
             weight: (2 * qk_dim + v_dim, E). bias (optional): (2 * qk_dim + v_dim,).
 
         Raises:
-            ValueError: other shapes (nothing is loaded then).
+            ValueError: other shapes, kv_dim != embed_dim, a bias the layer does not have (nothing is loaded
+            then). TypeError: a value that is not a floating array or tensor.
         """
         self._split_rows(weight, bias, (self.q_proj, self.k_proj, self.v_proj), "Wqkv")
 
@@ -280,6 +305,10 @@ class Attention(Module):
 
         Args:
             weight: (qk_dim + v_dim, kv_dim). bias (optional): (qk_dim + v_dim,).
+
+        Raises:
+            ValueError: other shapes, a bias the layer does not have (nothing is loaded then). TypeError: a value
+            that is not a floating array or tensor.
         """
         self._split_rows(weight, bias, (self.k_proj, self.v_proj), "Wkv")
 
@@ -292,12 +321,25 @@ class Attention(Module):
                 (default) or (d, in) with ``layout="linear"``.
 
         Raises:
-            ValueError: not H heads, or shapes that do not match (nothing is loaded then).
+            ValueError: not H heads, or shapes that do not match (nothing is loaded then). TypeError: heads not
+            given as a sequence of floating arrays or tensors.
         """
         stacked = []
         for name, heads in (("q", q), ("k", k), ("v", v)):
+            if not isinstance(heads, (list, tuple, np.ndarray)) and not hasattr(heads, "detach"):
+                raise TypeError(f"{name}: expected a sequence of {self.num_heads} head weights, got "
+                                f"{type(heads).__name__}")
             if len(heads) != self.num_heads:
                 raise ValueError(f"{name}: expected {self.num_heads} heads, got {len(heads)}")
+            self._as_linear(None, layout, name)  # (checks the layout)
+            heads = [_as_array(w, name) for w in heads]
+            proj = getattr(self, name + "_proj")
+            d, width = proj.out_features // self.num_heads, proj.in_features
+            want = (width, d) if layout == "matmul" else (d, width)
+            if any(w.shape != want for w in heads):
+                raise ValueError(f"{name}: expected {self.num_heads} heads of shape {want} "
+                                 f"{'(in, d)' if layout == 'matmul' else '(d, in)'}, got shapes "
+                                 f"{[w.shape for w in heads]}")
             stacked.append(np.concatenate([self._as_linear(w, layout, name) for w in heads], axis=0))
         self.load_projections(*stacked, layout="linear")
 

@@ -49,8 +49,8 @@ class Linear(Module):
     def backward(self, grad_output):
         """grad_output (*, Fout) -> grad_input (*, Fin); accumulates into weight.grad and bias.grad."""
         x = self._consume_context(grad_output)["input"]
-        return F.linear_backward(grad_output, x, self.weight.data, self.weight.grad,
-                                 None if self.bias is None else self.bias.grad)
+        return F._linear_backward(grad_output, x, self.weight.data, self.weight.grad,
+                                  None if self.bias is None else self.bias.grad)
 
     def extra_repr(self):
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"

@@ -1,5 +1,3 @@
-import numpy as np
-
 from .. import functional as F
 from .module import Module
 
@@ -12,27 +10,34 @@ class CrossEntropyLoss(Module):
         reduction (str): ``"mean"`` (over rows not ignored) | ``"sum"`` | ``"none"``. Default: ``"mean"``.
 
     ``forward(input (N, C) or (C,), target (N,) or ())`` returns the loss (a 0-d array, or (N,) for "none");
-    ``backward(grad_output=1.0)`` returns the gradient of the input (N, C). See
-    ``attnpp.functional.cross_entropy`` for the errors raised.
+    ``backward(grad_output=1.0)`` returns the gradient of the input (N, C): grad_output is a number or an array
+    of the loss's shape and the input's dtype. See ``attnpp.functional.cross_entropy`` for the errors raised.
+
+    Raises:
+        TypeError: ignore_index not an int. ValueError: an unknown reduction; backward before forward (or
+        twice), a grad_output of another shape than the loss's (TypeError: of another type or dtype; a refused
+        backward leaves the forward's context for a correct retry).
     """
 
     def __init__(self, ignore_index=-100, reduction="mean"):
         super().__init__()
-        self.ignore_index, self.reduction = int(ignore_index), reduction
+        self.ignore_index = F.check_ignore_index(ignore_index)
+        self.reduction = F.check_reduction(reduction)
         self._ctx = None
 
     def forward(self, input, target):
         loss, stats = F.cross_entropy_forward(input, target, self.ignore_index, self.reduction)
-        self._ctx = (input, target, stats)
+        self._ctx = (input, target, stats, loss.shape)
         return loss
 
     def backward(self, grad_output=1.0):
-        if self._ctx is None:
+        ctx = self._ctx
+        if ctx is None:
             raise ValueError("backward: call forward first (in this thread; backward runs once per forward)")
-        input, target, stats = self._ctx
+        input, target, stats, loss_shape = ctx
+        F.check_loss_grad(grad_output, input.dtype, loss_shape)
         self._ctx = None
-        return F.cross_entropy_backward(np.asarray(grad_output, input.dtype), input, target, stats,
-                                        self.ignore_index, self.reduction)
+        return F.cross_entropy_backward(grad_output, input, target, stats, self.ignore_index, self.reduction)
 
     def extra_repr(self):
         return f"ignore_index={self.ignore_index}, reduction={self.reduction!r}"

@@ -263,7 +263,7 @@ class MultiheadAttention(Module):
         grads = []
         for i, (x, d) in enumerate(((q3, dq), (k3, dk), (v3, dv))):
             w, gw, _, gb = self._proj_params(i)
-            grads.append(F.linear_backward(d, x, w, gw, gb))
+            grads.append(F._linear_backward(d, x, w, gw, gb))
         return tuple(grads) if ctx["batched"] else tuple(g[0] for g in grads)
 
     def extra_repr(self):
