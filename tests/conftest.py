@@ -1,5 +1,34 @@
+import collections
+import os
+
 import numpy as np
 import pytest
+
+try:
+    from hypothesis import HealthCheck, settings
+except ImportError:  # hypothesis is only needed by the property tests (test_properties.py)
+    settings = None
+
+# Hypothesis profiles (property tests, tests/test_properties.py). "default": deterministic (derandomize, no
+# database), so CI is reproducible; "thorough": random, EXAMPLES_FACTOR times as many examples, to hunt bugs:
+#   HYPOTHESIS_PROFILE=thorough python -m pytest tests/test_properties.py
+HYPOTHESIS_PROFILE = os.environ.get("HYPOTHESIS_PROFILE", "default")
+EXAMPLES_FACTOR = int(os.environ.get("HYPOTHESIS_EXAMPLES_FACTOR", 25 if HYPOTHESIS_PROFILE == "thorough" else 1))
+if settings is not None:
+    settings.register_profile("default", derandomize=True, database=None, deadline=None, print_blob=True,
+                              suppress_health_check=[HealthCheck.too_slow])
+    settings.register_profile("thorough", derandomize=False, deadline=None, print_blob=True,
+                              suppress_health_check=[HealthCheck.too_slow])
+    settings.load_profile(HYPOTHESIS_PROFILE)
+
+
+def examples(n):
+    """max_examples of a property test: n in the default profile, n * EXAMPLES_FACTOR in "thorough"."""
+    return max(1, n * EXAMPLES_FACTOR)
+
+
+# Examples actually run by each property test (each test increments its entry), printed at the end of the run.
+HYPOTHESIS_EXAMPLES = collections.Counter()
 
 # Parity tolerances (DESIGN.md): relative to the scale of the reference values.
 TOL = {np.float64: 1e-10, np.float32: 1e-5}
@@ -36,3 +65,7 @@ def pytest_terminal_summary(terminalreporter):
     if LARGEST:
         figures = ", ".join(f"{k} {v:.2e}" for k, v in sorted(LARGEST.items()))
         terminalreporter.write_line(f"largest parity error against PyTorch (relative to max(1, |ref|)): {figures}")
+    if HYPOTHESIS_EXAMPLES:
+        per_test = ", ".join(f"{k} {v}" for k, v in sorted(HYPOTHESIS_EXAMPLES.items()))
+        terminalreporter.write_line(f"hypothesis examples run: {sum(HYPOTHESIS_EXAMPLES.values())} "
+                                    f"(profile {HYPOTHESIS_PROFILE!r}; per test: {per_test})")

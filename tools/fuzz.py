@@ -1023,8 +1023,11 @@ def mutate_array(rng, call, slot):
         dt = np.dtype(pick(rng, OTHER_DTYPES))
         with warnings.catch_warnings(), np.errstate(all="ignore"):
             warnings.simplefilter("ignore")
-            vals = a.values.astype(dt) if not (a.values.dtype.kind == "c" and dt.kind != "c") else \
-                a.values.real.astype(dt)
+            try:
+                vals = a.values.astype(dt) if not (a.values.dtype.kind == "c" and dt.kind != "c") else \
+                    a.values.real.astype(dt)
+            except (OverflowError, ValueError, TypeError):  # e.g. an object array's -1 as uint8
+                vals = np.zeros(a.values.shape, dt)
         slot.value = Arr(vals, a.role, a.layout, PAD_OUT if a.role == "out" else PAD_IN_FLOAT)
         return f"{slot.name}: dtype {a.dtype} -> {dt}"
     if op == "layout":
