@@ -179,10 +179,10 @@ class _Problem:
         if enable_gqa:
             if query.ndim < 3 or key.ndim < 3 or (value is not None and value.ndim < 3):
                 raise ValueError("enable_gqa=True needs a heads dimension (-3) in query, key and value")
-            Hq, Hk = q_lead[-1], k_lead[-1]
-            if v_lead[-1] != Hk or Hk == 0 or Hq % Hk:
-                raise ValueError(f"enable_gqa=True: query heads must be a multiple of key heads, and key and "
-                                 f"value heads must be equal; got query {query.shape}, key {key.shape}, value "
+            Hq, Hk, Hv = q_lead[-1], k_lead[-1], v_lead[-1]
+            if Hk == 0 or Hv == 0 or Hq % Hk or Hq % Hv:
+                raise ValueError(f"enable_gqa=True: query heads must be a multiple of key heads and of value "
+                                 f"heads; got query {query.shape}, key {key.shape}, value "
                                  f"{None if value is None else value.shape}")
             batch = _broadcast_shape("query, key and value batch dimensions", q_lead[:-1], k_lead[:-1],
                                      v_lead[:-1])
@@ -190,14 +190,20 @@ class _Problem:
             full = _broadcast_shape("query, key and value batch and head dimensions", q_lead, k_lead, v_lead)
             batch, Hq = full[:-1], full[-1]
             Hk = Hq
+        # Key and value heads in different numbers (GQA, as PyTorch: query head h uses key head h // (Hq // Hk)
+        # and value head h // (Hq // Hv)): both repeated to Hq heads, the core's key/value heads.
+        self.k_repeat = self.v_repeat = 1
+        if enable_gqa and v_lead[-1] != Hk:
+            self.k_repeat, self.v_repeat, Hk = Hq // Hk, Hq // v_lead[-1], Hq
         self.batch, self.Hq, self.Hk, self.L, self.S, self.D, self.Dv = batch, Hq, Hk, L, S, D, Dv
         self.N = math.prod(batch)
         if self.N * Hq * max(L, S) * max(L, S, D, Dv, 1) > _MAX_ELEMENTS:  # (as np.empty's MemoryError)
             raise MemoryError(f"attention of batch {tuple(batch)}, {Hq} heads, L={L}, S={S}, D={D}, Dv={Dv}: too "
                               f"large to allocate")
         self.q4 = self._as4(query, Hq, L, D)
-        self.k4 = self._as4(key, Hk, S, D)
-        self.v4 = self._as4(value, Hk, S, Dv) if value is not None else np.zeros((self.N, Hk, S, 0), dtype)
+        self.k4 = self._as4(key, Hk, S, D, self.k_repeat)
+        self.v4 = self._as4(value, Hk, S, Dv, self.v_repeat) if value is not None else np.zeros((self.N, Hk, S, 0),
+                                                                                                   dtype)
         # with D = 0 every q k^T is the empty sum 0, whatever the scale (PyTorch: uniform weights, not NaN)
         self.scale = 1.0 if D == 0 else float(1.0 / math.sqrt(D) if scale is None else scale)
         self.dropout_p = float(dropout_p)
@@ -207,8 +213,6 @@ class _Problem:
         self.masks = []
         if attn_mask is not None:
             m = additive_mask(attn_mask, dtype, "attn_mask", true_means_masked=False)
-            if m.ndim < 2:  # PyTorch refuses these too
-                raise ValueError(f"attn_mask: expected at least 2 dimensions (L, S), got shape {m.shape}")
             full_shape = tuple(batch) + (Hq, L, S)
             try:
                 if np.broadcast_shapes(m.shape, full_shape) != full_shape:
@@ -218,8 +222,12 @@ class _Problem:
                                  f"{full_shape}") from None
             self.masks.append(mask_arg(m, full_shape))
 
-    def _as4(self, x, H, rows, cols):
-        x4 = np.broadcast_to(x, tuple(self.batch) + (H, rows, cols)).reshape(self.N, H, rows, cols)
+    def _as4(self, x, H, rows, cols, repeat=1):
+        """``x`` as (N, H, rows, cols), a view where possible; its heads repeated ``repeat`` times (GQA)."""
+        x4 = np.broadcast_to(x, tuple(self.batch) + (H // repeat, rows, cols)).reshape(self.N, H // repeat, rows,
+                                                                                          cols)
+        if repeat > 1:
+            return x4.repeat(repeat, axis=1)
         return x4 if cols <= 1 or x4.strides[-1] == x4.itemsize else np.ascontiguousarray(x4)
 
     def core_args(self):
@@ -228,8 +236,12 @@ class _Problem:
     def out_shape(self, *tail):
         return tuple(tail) if self.unbatched else tuple(self.batch) + (self.Hq,) + tuple(tail)
 
-    def reduce_to(self, grad4, x):
-        """A gradient (N, H, rows, cols) of a broadcast input, summed back to the shape of ``x``."""
+    def reduce_to(self, grad4, x, repeat=1):
+        """A gradient (N, H, rows, cols) of a broadcast input (its heads repeated ``repeat`` times), summed back
+        to the shape of ``x``."""
+        if repeat > 1:
+            N, H, rows, cols = grad4.shape
+            grad4 = grad4.reshape(N, H // repeat, repeat, rows, cols).sum(axis=2)
         g = grad4.reshape(tuple(self.batch) + grad4.shape[1:])
         extra = g.ndim - x.ndim
         if extra > 0:
@@ -244,16 +256,18 @@ _ARGS_DOC = """
     Args:
         query (ndarray): (B..., Hq, L, D), or (L, D) unbatched; float32 or float64.
         key (ndarray): (B..., Hk, S, D), same dtype. B... broadcasts against the query's.
-        value (ndarray): (B..., Hk, S, Dv), same dtype.
-        attn_mask (ndarray, optional): broadcastable to (B..., Hq, L, S). Boolean: True where a key *takes part*
-            (False masks it out). Float (the query's dtype): added to the scores. Default: None.
+        value (ndarray): (B..., Hv, S, Dv), same dtype; Hv = Hk unless ``enable_gqa``.
+        attn_mask (ndarray, optional): broadcastable to (B..., Hq, L, S), any number of dimensions (a 1-D mask
+            (S,) applies to every query). Boolean: True where a key *takes part* (False masks it out). Float (the
+            query's dtype): added to the scores. Default: None.
         dropout_p (float): probability of zeroing each attention weight, in [0, 1); the kept ones are scaled by
             1 / (1 - dropout_p). Default: 0.0.
         is_causal (bool): mask the keys after each query (upper triangle), aligned top-left when L != S, as in
             PyTorch (see ``causal_alignment``). Needs ``attn_mask=None``. Default: False.
         scale (float, optional): factor on q k^T. Default: 1 / sqrt(D).
-        enable_gqa (bool): grouped-query attention: Hq a multiple of Hk, query head h uses key/value head
-            h // (Hq // Hk). Default: False (then H broadcasts like the batch dimensions).
+        enable_gqa (bool): grouped-query attention: Hq a multiple of Hk and of Hv, query head h uses key head
+            h // (Hq // Hk) and value head h // (Hq // Hv), as PyTorch. Default: False (then H broadcasts like
+            the batch dimensions).
         seed (int, optional): dropout seed. The same seed gives the same mask, whatever the thread count. None
             draws one from attnpp's global generator (see ``attnpp.manual_seed``). Default: None.
         causal_alignment (str): ``"top_left"`` (PyTorch's ``is_causal``: query i sees keys j <= i) or
@@ -269,6 +283,12 @@ _ERRORS_DOC = """
         MemoryError: a problem too large to allocate.
 
     A query row whose keys are all masked gives output 0 and gradient 0, never NaN (as PyTorch >= 2.5).
+    NaN and inf: a key whose score is -inf (masked, above the causal diagonal, or from infinite inputs) has
+    weight exactly 0 and contributes nothing, to the output or to any gradient, even where its value is NaN;
+    every other NaN or inf propagates as in PyTorch's math backend (a NaN score makes its row NaN). Large
+    scores do not overflow (the softmax subtracts each row's maximum); the backward and the weights, recomputed
+    from the rounded log-sum-exp, carry an extra relative error of about eps * |score| (FlashAttention-2's, and
+    PyTorch's flash backward's): float32 scores of 1e3 give about 1e-4.
     Method: Vaswani et al., "Attention Is All You Need" (2017); computed as FlashAttention-2 (Dao, 2023): key
     blocks with an online softmax, only the output and the log-sum-exp saved, so memory grows with L, not L*S.
 """
@@ -329,7 +349,7 @@ def scaled_dot_product_attention_backward(grad_output, query, key, value, output
     dv = _zeros((p.N, p.Hk, p.S, p.Dv), p.dtype)
     _core.sdpa_backward(dq, dk, dv, four(grad_output, (p.L, p.Dv)), four(output, (p.L, p.Dv)),
                         four(logsumexp, (p.L,)), p.q4, p.k4, p.v4, *p.core_args())
-    return p.reduce_to(dq, query), p.reduce_to(dk, key), p.reduce_to(dv, value)
+    return p.reduce_to(dq, query), p.reduce_to(dk, key, p.k_repeat), p.reduce_to(dv, value, p.v_repeat)
 
 
 scaled_dot_product_attention_backward.__doc__ = """Gradients of ``scaled_dot_product_attention_forward``.
