@@ -283,9 +283,11 @@ _ERRORS_DOC = """
         MemoryError: a problem too large to allocate.
 
     A query row whose keys are all masked gives output 0 and gradient 0, never NaN (as PyTorch >= 2.5).
-    NaN and inf: a key whose score is -inf (masked, above the causal diagonal, or from infinite inputs) has
-    weight exactly 0 and contributes nothing, to the output or to any gradient, even where its value is NaN;
-    every other NaN or inf propagates as in PyTorch's math backend (a NaN score makes its row NaN). Large
+    NaN and inf propagate as in PyTorch's math backend (a NaN score makes its row NaN; a NaN value reaches every
+    query that weights its key), with one difference: a key of weight exactly 0 multiplies its value by 0 (so a
+    NaN there gives NaN, as in PyTorch) except where attnpp skips it: key blocks wholly above the causal
+    diagonal or masked, and fully masked rows (output 0). PyTorch's flash backend skips other keys, so its
+    backends differ there too. Large
     scores do not overflow (the softmax subtracts each row's maximum); the backward and the weights, recomputed
     from the rounded log-sum-exp, carry an extra relative error of about eps * |score| (FlashAttention-2's, and
     PyTorch's flash backward's): float32 scores of 1e3 give about 1e-4.
