@@ -5,6 +5,7 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <cstdlib>
 #include <cstring>
 #include <limits>
 #include <memory>
@@ -312,8 +313,8 @@ class Parameter {
       if (s != 0 && size_ > std::numeric_limits<py::ssize_t>::max() / 8 / s) throw std::bad_alloc();
       size_ *= s;
     }
-    data_.reset(new double[size_ ? size_ : 1]());  // zeroed; double storage is aligned for both dtypes
-    grad_.reset(new double[size_ ? size_ : 1]());
+    data_ = zeroed(size_);  // double storage is aligned for both dtypes
+    grad_ = zeroed(size_);
   }
   py::array view(const py::object& self, bool grad) const {
     return py::array(dtype_, shape_, {}, grad ? grad_.get() : data_.get(), self);
@@ -336,10 +337,22 @@ class Parameter {
   void zero_grad() { std::fill(grad_.get(), grad_.get() + size_, 0.0); }
 
  private:
+  struct Free {
+    void operator()(double* p) const { std::free(p); }
+  };
+  using Buffer = std::unique_ptr<double[], Free>;
+  // n zeroed doubles from calloc, whose failure is a null pointer, turned into std::bad_alloc (MemoryError) here:
+  // under AddressSanitizer a failing operator new aborts the process instead of throwing (google/sanitizers#295)
+  static Buffer zeroed(py::ssize_t n) {
+    auto* p = static_cast<double*>(std::calloc(n ? std::size_t(n) : 1, sizeof(double)));
+    if (p == nullptr) throw std::bad_alloc();
+    return Buffer(p);
+  }
+
   std::vector<py::ssize_t> shape_;
   py::dtype dtype_;
   py::ssize_t size_ = 0;
-  std::unique_ptr<double[]> data_, grad_;
+  Buffer data_, grad_;
 };
 
 }  // namespace

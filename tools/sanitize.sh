@@ -116,8 +116,8 @@ preload="$libasan $libstdcxx${LD_PRELOAD:+ $LD_PRELOAD}"
 #   allocator_may_return_null=1  tests/test_bad_input.py asks for > 1 PB on purpose and expects MemoryError:
 #                    ASan's default is a fatal allocation-size-too-big report (first seen in NumPy's malloc);
 #                    with this, malloc & co. return NULL as glibc's would (a "WARNING: AddressSanitizer
-#                    failed to allocate" line is logged, not a report). A throwing operator new still aborts
-#                    (google/sanitizers#295): see the skipped tests in the pytest plugin below.
+#                    failed to allocate" line is logged, not a report). A throwing operator new would still
+#                    abort (google/sanitizers#295): the core allocates what may be huge with malloc/calloc.
 asan_opts="detect_leaks=0:halt_on_error=$halt:abort_on_error=1:detect_stack_use_after_return=1:allocator_may_return_null=1"
 asan_opts+=":check_initialization_order=1:strict_init_order=1:symbolize=1:log_path=$logs/asan"
 if command -v llvm-symbolizer >/dev/null; then
@@ -155,14 +155,12 @@ _spec = importlib.machinery.PathFinder.find_spec(
 if _spec is not None:
     _spec.loader.exec_module(importlib.util.module_from_spec(_spec))
 EOF
-# The pytest plugin: tests that cannot run under ASan, skipped (and listed by -rs) with the reason; notebook
-# cells' timeout multiplied (nbclient's NotebookClient, in every notebook test).
+# The pytest plugin: notebook cells' timeout multiplied (nbclient's NotebookClient, in every notebook test).
 cat >"$work/site/attnpp_sanitize_plugin.py" <<'EOF'
 # Written by attnpp's tools/sanitize.sh, for its sanitizer run only.
 import os
 
 import nbclient
-import pytest
 
 # Under ASan attnpp's kernels run ~3x slower and torch/Python ~2x (ASan's allocator): notebook 001's 10000-step
 # training cell needs 20-40 minutes on 2 busy cores, beyond the test's 1800 s per cell.
@@ -177,18 +175,6 @@ def _init_longer(self, *args, **kwargs):
 
 
 nbclient.NotebookClient.__init__ = _init_longer
-
-# ASan's throwing operator new aborts with an "out-of-memory" report where libstdc++'s throws std::bad_alloc
-# (google/sanitizers#295), even with allocator_may_return_null=1: these cases construct a Parameter of 10**16
-# doubles (bindings.cpp, Parameter's `new double[size_]()`), expecting MemoryError.
-NEW_CANNOT_THROW = [f"tests/test_bad_input.py::test_too_large_raises_memory_error[{case}]"
-                    for case in ("linear_init", "embedding_init", "mha_init", "attention_init")]
-
-
-def pytest_collection_modifyitems(config, items):
-    for item in items:
-        if item.nodeid in NEW_CANNOT_THROW:
-            item.add_marker(pytest.mark.skip(reason="under ASan, a failing `new` aborts instead of throwing bad_alloc"))
 EOF
 export ATTNPP_SANITIZE_LOGS=$logs ATTNPP_SANITIZE_LIBUBSAN=$libubsan
 export PYTHONPATH="$stage:$work/site${PYTHONPATH:+:$PYTHONPATH}"
