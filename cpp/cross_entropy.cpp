@@ -9,24 +9,36 @@ namespace attnpp {
 
 namespace {
 
-// sum_j exp(x_j - m) in double. The exp runs in T on Eigen's vectors, a chunk at a time into a buffer that stays
-// in L1, and each chunk is added in double, one running sum per lane (a fixed order): in float32 a confident row
-// (one logit far above 50,256 others) would add terms below half an ulp of the running sum and lose them all.
-template <typename T>
-double sum_exp_shifted(const T* x, int64_t n, T m) {
-  constexpr int64_t kChunk = 1024, kLanes = 8;
+// exp((x_j - m) - s) for the n entries of x, a chunk at a time into a buffer that stays in L1, each chunk given to
+// use(c0, buf, len). Through the aligned buffer, never straight into an output, so that every element takes the
+// same exp whatever the output's alignment: Eigen computes the elements before an output's first aligned address
+// with the scalar exp, which may differ from its vector exp in the last bit.
+template <typename T, typename Use>
+void exp_shifted_chunks(const T* x, int64_t n, T m, T s, Use&& use) {
+  constexpr int64_t kChunk = 1024;
   alignas(64) T buf[kChunk];
-  double lanes[kLanes] = {};
-  double tail = 0;
+  using Arr = Eigen::Array<T, Eigen::Dynamic, 1>;
   for (int64_t c0 = 0; c0 < n; c0 += kChunk) {
     const int64_t len = std::min(kChunk, n - c0);
-    using Arr = Eigen::Array<T, Eigen::Dynamic, 1>;
-    Eigen::Map<Arr, Eigen::Aligned64>(buf, len) = (Eigen::Map<const Arr>(x + c0, len) - m).exp();
+    Eigen::Map<Arr, Eigen::Aligned64>(buf, len) = ((Eigen::Map<const Arr>(x + c0, len) - m) - s).exp();
+    use(c0, buf, len);
+  }
+}
+
+// sum_j exp(x_j - m) in double. The exp runs in T on Eigen's vectors and each chunk is added in double, one
+// running sum per lane (a fixed order): in float32 a confident row (one logit far above 50,256 others) would add
+// terms below half an ulp of the running sum and lose them all.
+template <typename T>
+double sum_exp_shifted(const T* x, int64_t n, T m) {
+  constexpr int64_t kLanes = 8;
+  double lanes[kLanes] = {};
+  double tail = 0;
+  exp_shifted_chunks(x, n, m, T(0), [&](int64_t, const T* buf, int64_t len) {
     int64_t j = 0;
     for (; j + kLanes <= len; j += kLanes)
       for (int64_t l = 0; l < kLanes; ++l) lanes[l] += double(buf[j + l]);
     for (; j < len; ++j) tail += double(buf[j]);
-  }
+  });
   double sum = tail;
   for (int64_t l = 0; l < kLanes; ++l) sum += lanes[l];
   return sum;
@@ -61,8 +73,9 @@ void cross_entropy_backward(T* dinput, const T* row_weight, const T* stats, cons
       std::fill(drow, drow + C, T(0));
       continue;
     }
-    Eigen::Map<Eigen::Array<T, Eigen::Dynamic, 1>>(drow, C) =
-        w * ((Eigen::Map<const Eigen::Array<T, Eigen::Dynamic, 1>>(row, C) - m) - log_sum).exp();
+    exp_shifted_chunks(row, C, m, log_sum, [&](int64_t c0, const T* p, int64_t len) {
+      for (int64_t j = 0; j < len; ++j) drow[c0 + j] = w * p[j];
+    });
     // at the target, p - 1 = expm1(log p): exact even when p is within an ulp of 1
     drow[target[i]] = w * std::expm1((row[target[i]] - m) - log_sum);
   }
