@@ -162,8 +162,8 @@ import os
 
 import nbclient
 
-# Under ASan attnpp's kernels run ~3x slower and torch/Python ~2x (ASan's allocator): notebook 001's 10000-step
-# training cell needs 20-40 minutes on 2 busy cores, beyond the test's 1800 s per cell.
+# Under ASan attnpp's kernels and torch run several times slower: notebook 001's six-sentence
+# training cell (four 10,000-step trainings) took about 55 minutes here, beyond the test's 1800 s per cell.
 FACTOR = float(os.environ.get("TIMEOUT_FACTOR") or 4)
 _init = nbclient.NotebookClient.__init__
 
