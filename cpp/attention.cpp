@@ -8,7 +8,7 @@
 
 #include "gemm.hpp"
 
-namespace attnpp {
+namespace attnpp::ATTNPP_CPU_NS {
 namespace {
 
 constexpr int64_t kBlockL = 64;   // query rows per block
@@ -263,4 +263,4 @@ void sdpa_weights(T* weights, const T* logsumexp, const View4<const T>& q, const
 ATTNPP_INSTANTIATE(float)
 ATTNPP_INSTANTIATE(double)
 
-}  // namespace attnpp
+}  // namespace attnpp::ATTNPP_CPU_NS

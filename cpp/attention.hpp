@@ -1,9 +1,9 @@
 // Scaled dot-product attention: tiled forward with an online softmax, backward that recomputes the weights.
 #pragma once
 
-#include "common.hpp"
+#include "level.hpp"
 
-namespace attnpp {
+namespace attnpp::ATTNPP_CPU_NS {
 
 // out = softmax(scale * q k^T + masks + causal) (with dropout) v, one (n, h) at a time.
 // out (N, Hq, L, Dv), logsumexp (N, Hq, L) contiguous, q (N, Hq, L, D), k (N, Hk, S, D), v (N, Hk, S, Dv).
@@ -25,4 +25,4 @@ template <typename T>
 void sdpa_weights(T* weights, const T* logsumexp, const View4<const T>& q, const View4<const T>& k,
                   const AttnConfig<T>& cfg, bool average_heads = false);
 
-}  // namespace attnpp
+}  // namespace attnpp::ATTNPP_CPU_NS

@@ -12,10 +12,8 @@
 #include <optional>
 #include <string>
 
-#include "attention.hpp"
 #include "buffer_pool.hpp"
-#include "linear.hpp"
-#include "training.hpp"
+#include "kernels.hpp"
 
 namespace py = pybind11;
 using namespace attnpp;
@@ -179,7 +177,7 @@ void sdpa_forward_t(const py::array& out, const py::array& lse, const py::array&
   const auto ov = view4<T, T>(out, "out", true);
   T* lse_p = contiguous_ptr<T>(lse, "logsumexp", true);
   py::gil_scoped_release release;
-  sdpa_forward<T>(ov, lse_p, qv, kv, vv, cfg);
+  kernels<T>().sdpa_forward(ov, lse_p, qv, kv, vv, cfg);
 }
 
 template <typename T>
@@ -203,7 +201,7 @@ void sdpa_backward_t(const py::array& dq, const py::array& dk, const py::array& 
   const auto dqv = view4<T, T>(dq, "grad_query", true), dkv = view4<T, T>(dk, "grad_key", true);
   const auto dvv = view4<T, T>(dv, "grad_value", true);
   py::gil_scoped_release release;
-  sdpa_backward<T>(dqv, dkv, dvv, dov, ov, lse_p, qv, kv, vv, cfg);
+  kernels<T>().sdpa_backward(dqv, dkv, dvv, dov, ov, lse_p, qv, kv, vv, cfg);
 }
 
 template <typename T>
@@ -221,7 +219,7 @@ void sdpa_weights_t(const py::array& weights, const py::array& lse, const py::ar
   const T* lse_p = contiguous_ptr<T>(lse, "logsumexp", false);
   T* w = contiguous_ptr<T>(weights, "weights", true);
   py::gil_scoped_release release;
-  sdpa_weights<T>(w, lse_p, qv, kv, cfg, average_heads);
+  kernels<T>().sdpa_weights(w, lse_p, qv, kv, cfg, average_heads);
 }
 
 template <typename T>
@@ -238,7 +236,7 @@ void linear_forward_t(const py::array& y, const py::array& x, const py::array& w
   T* yp = contiguous_ptr<T>(y, "out", true);
   const T *xp = contiguous_ptr<T>(x, "input", false), *wp = contiguous_ptr<T>(w, "weight", false);
   py::gil_scoped_release release;
-  linear_forward<T>(yp, xp, wp, bp, M, Fin, Fout);
+  kernels<T>().linear_forward(yp, xp, wp, bp, M, Fin, Fout);
 }
 
 template <typename T>
@@ -262,7 +260,7 @@ void linear_backward_t(const py::object& dx, const py::array& dw, const py::obje
   const T *dyp = contiguous_ptr<T>(dy, "grad_output", false), *xp = contiguous_ptr<T>(x, "input", false);
   const T* wp = contiguous_ptr<T>(w, "weight", false);
   py::gil_scoped_release release;
-  linear_backward<T>(dxp, dwp, dbp, dyp, xp, wp, M, Fin, Fout);
+  kernels<T>().linear_backward(dxp, dwp, dbp, dyp, xp, wp, M, Fin, Fout);
 }
 
 template <typename T>
@@ -360,11 +358,34 @@ class Parameter {
 PYBIND11_MODULE(_core, m) {
   m.doc() = "attnpp's C++ core. Use attnpp.functional and attnpp.nn instead of calling this directly.";
 
+  // The CPU level, once, before any kernel runs: the best the CPU supports, or the one ATTNPP_CPU_CAPABILITY
+  // forces (an exception here is the ImportError the user sees).
+  const char* forced = std::getenv("ATTNPP_CPU_CAPABILITY");
+  select_cpu_level(forced ? forced : "");
+  m.def("cpu_capability", []() { return std::string(cpu_level().name); });
+  m.def("build_config", []() {
+    py::list levels, supported;
+    for (const auto& l : cpu_levels()) {
+      levels.append(l.name);
+      if (l.supported) supported.append(l.name);
+    }
+    py::dict config;
+    config["cpu_capability"] = cpu_level().name;
+    config["levels_built"] = levels;
+    config["levels_supported"] = supported;
+    config["compiler"] = build_compiler();
+    config["flags"] = build_flags();
+    config["eigen"] = std::to_string(EIGEN_WORLD_VERSION) + "." + std::to_string(EIGEN_MAJOR_VERSION) + "." +
+                      std::to_string(EIGEN_MINOR_VERSION);
+    config["openmp"] = _OPENMP;
+    return config;
+  });
+
   m.def("set_num_threads", [](int64_t n) {
     if (n < 1 || n > kMaxThreads)
       throw py::value_error("set_num_threads: n must be in [1, " + std::to_string(kMaxThreads) + "], got " +
                             std::to_string(n));
-    thread_count_setting() = int(n);
+    set_thread_count(int(n));
   });
   m.def("get_num_threads", []() { return thread_count(); });
 
@@ -427,7 +448,7 @@ PYBIND11_MODULE(_core, m) {
     bool* ptr = keep.mutable_data();
     const int64_t count = keep.size();
     py::gil_scoped_release release;
-    dropout_mask(ptr, count, p, seed);
+    cpu_level().kernels->dropout_mask(ptr, count, p, seed);
     return keep;
   });
   m.def("dropout_forward", [](const py::array& out, const py::array& x, double p, uint64_t seed) {
@@ -437,7 +458,7 @@ PYBIND11_MODULE(_core, m) {
       T* o = contiguous_ptr<T>(out, "out", true);
       const T* xp = contiguous_ptr<T>(x, "input", false);
       py::gil_scoped_release release;
-      dropout_forward<T>(o, xp, x.size(), p, seed);
+      kernels<T>().dropout_forward(o, xp, x.size(), p, seed);
     });
   });
   m.def("dropout_backward", [](const py::array& dx, const py::array& dout, double p, uint64_t seed) {
@@ -447,7 +468,7 @@ PYBIND11_MODULE(_core, m) {
       T* d = contiguous_ptr<T>(dx, "grad_input", true);
       const T* g = contiguous_ptr<T>(dout, "grad_output", false);
       py::gil_scoped_release release;
-      dropout_backward<T>(d, g, dout.size(), p, seed);
+      kernels<T>().dropout_backward(d, g, dout.size(), p, seed);
     });
   });
   m.def("embedding_forward", [](const py::array& out, const py::array& index, const py::array& weight) {
@@ -460,7 +481,7 @@ PYBIND11_MODULE(_core, m) {
       const T* w = contiguous_ptr<T>(weight, "weight", false);
       const auto idx = indices(index, "input", weight.shape(0));
       py::gil_scoped_release release;
-      embedding_forward<T>(o, idx.data(), w, N, E);
+      kernels<T>().embedding_forward(o, idx.data(), w, N, E);
     });
   });
   m.def("embedding_backward", [](const py::array& dweight, const py::array& dout, const py::array& index) {
@@ -473,7 +494,7 @@ PYBIND11_MODULE(_core, m) {
       const T* g = contiguous_ptr<T>(dout, "grad_output", false);
       const auto idx = indices(index, "input", dweight.shape(0));
       py::gil_scoped_release release;
-      embedding_backward<T>(dw, g, idx.data(), N, E);
+      kernels<T>().embedding_backward(dw, g, idx.data(), N, E);
     });
   });
   m.def("cross_entropy_forward", [](const py::array& losses, const py::array& stats, const py::array& input,
@@ -490,7 +511,7 @@ PYBIND11_MODULE(_core, m) {
       const T* x = contiguous_ptr<T>(input, "input", false);
       const auto tg = indices(target, "target", C, &ignore_index);
       py::gil_scoped_release release;
-      cross_entropy_forward<T>(l, s, x, tg.data(), N, C, ignore_index);
+      kernels<T>().cross_entropy_forward(l, s, x, tg.data(), N, C, ignore_index);
     });
   });
   m.def("cross_entropy_backward", [](const py::array& dinput, const py::array& row_weight, const py::array& stats,
@@ -515,7 +536,7 @@ PYBIND11_MODULE(_core, m) {
           throw py::index_error("target: value " + std::to_string(tg[i]) + " out of range [0, " +
                                 std::to_string(C) + ") on a row of nonzero weight");
       py::gil_scoped_release release;
-      cross_entropy_backward<T>(d, w.data(), s, x, tg.data(), N, C);
+      kernels<T>().cross_entropy_backward(d, w.data(), s, x, tg.data(), N, C);
     });
   });
   m.def("sgd_step", [](const py::array& param, const py::array& grad, const py::object& buf, double lr,
@@ -533,7 +554,7 @@ PYBIND11_MODULE(_core, m) {
       T* p = contiguous_ptr<T>(param, "param", true);
       const T* g = contiguous_ptr<T>(grad, "grad", false);
       py::gil_scoped_release release;
-      sgd_step<T>(p, g, b, param.size(), lr, momentum, dampening, weight_decay, nesterov, first);
+      kernels<T>().sgd_step(p, g, b, param.size(), lr, momentum, dampening, weight_decay, nesterov, first);
     });
   });
   m.def("adamw_step", [](const py::array& param, const py::array& grad, const py::array& exp_avg,
@@ -546,7 +567,7 @@ PYBIND11_MODULE(_core, m) {
       T* m2 = contiguous_ptr<T>(exp_avg_sq, "exp_avg_sq", true);
       const T* g = contiguous_ptr<T>(grad, "grad", false);
       py::gil_scoped_release release;
-      adamw_step<T>(p, g, m1, m2, param.size(), lr, beta1, beta2, eps, weight_decay, step);
+      kernels<T>().adamw_step(p, g, m1, m2, param.size(), lr, beta1, beta2, eps, weight_decay, step);
     });
   });
 

@@ -46,13 +46,11 @@ inline int64_t ceil_div(int64_t n, int64_t b) { return (n + b - 1) / b; }
 // costs microseconds (tens when the threads have gone to sleep), as much as the whole of a small layer's call.
 inline bool worth_threads(int64_t work) { return work >= (int64_t(1) << 17); }
 
-// The number of threads of attnpp's parallel loops, one setting for the whole process (OpenMP's own setting
-// belongs to the calling thread: a Python thread started later would not see set_num_threads).
-inline std::atomic<int>& thread_count_setting() {
-  static std::atomic<int> n{omp_get_max_threads()};
-  return n;
-}
-inline int thread_count() { return thread_count_setting().load(std::memory_order_relaxed); }
+// The number of threads of attnpp's parallel loops, one setting for the whole process and every CPU level
+// (OpenMP's own setting belongs to the calling thread: a Python thread started later would not see
+// set_num_threads). Defined in dispatch.cpp.
+int thread_count();
+void set_thread_count(int n);
 
 // body(i) for i in [0, n): on the OpenMP threads when `work` is worth it, else in a plain loop (an OpenMP region
 // with a false `if` still sets up a team, about a microsecond). dynamic: tasks of uneven cost. An exception in

@@ -5,7 +5,7 @@
 
 #include "training.hpp"
 
-namespace attnpp {
+namespace attnpp::ATTNPP_CPU_NS {
 
 namespace {
 
@@ -89,4 +89,4 @@ template void cross_entropy_backward<float>(float*, const float*, const float*, 
 template void cross_entropy_backward<double>(double*, const double*, const double*, const double*,
                                              const int64_t*, int64_t, int64_t);
 
-}  // namespace attnpp
+}  // namespace attnpp::ATTNPP_CPU_NS

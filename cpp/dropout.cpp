@@ -2,7 +2,7 @@
 // any thread count, and the backward recomputes it instead of storing it.
 #include "training.hpp"
 
-namespace attnpp {
+namespace attnpp::ATTNPP_CPU_NS {
 
 template <typename T>
 void dropout_forward(T* out, const T* x, int64_t n, double p, uint64_t seed) {
@@ -30,4 +30,4 @@ template void dropout_forward<double>(double*, const double*, int64_t, double, u
 template void dropout_backward<float>(float*, const float*, int64_t, double, uint64_t);
 template void dropout_backward<double>(double*, const double*, int64_t, double, uint64_t);
 
-}  // namespace attnpp
+}  // namespace attnpp::ATTNPP_CPU_NS

@@ -3,7 +3,7 @@
 
 #include "training.hpp"
 
-namespace attnpp {
+namespace attnpp::ATTNPP_CPU_NS {
 
 template <typename T>
 void embedding_forward(T* out, const int64_t* index, const T* weight, int64_t N, int64_t E) {
@@ -24,4 +24,4 @@ template void embedding_forward<double>(double*, const int64_t*, const double*, 
 template void embedding_backward<float>(float*, const float*, const int64_t*, int64_t, int64_t);
 template void embedding_backward<double>(double*, const double*, const int64_t*, int64_t, int64_t);
 
-}  // namespace attnpp
+}  // namespace attnpp::ATTNPP_CPU_NS

@@ -14,9 +14,9 @@
 #include <cstring>
 #include <memory>
 
-#include "common.hpp"
+#include "level.hpp"
 
-namespace attnpp {
+namespace attnpp::ATTNPP_CPU_NS {
 namespace gemm_detail {
 
 // Register budget: MR * NV accumulators plus NV row vectors of B and one broadcast.
@@ -206,4 +206,4 @@ void gemm_parallel(T* C, int64_t ldc, const T* A, int64_t ars, int64_t acs, cons
       true);
 }
 
-}  // namespace attnpp
+}  // namespace attnpp::ATTNPP_CPU_NS

@@ -5,7 +5,7 @@
 
 #include "gemm.hpp"
 
-namespace attnpp {
+namespace attnpp::ATTNPP_CPU_NS {
 namespace {
 
 template <typename T>
@@ -69,4 +69,4 @@ template void linear_backward<float>(float*, float*, float*, const float*, const
 template void linear_backward<double>(double*, double*, double*, const double*, const double*, const double*,
                                       int64_t, int64_t, int64_t);
 
-}  // namespace attnpp
+}  // namespace attnpp::ATTNPP_CPU_NS

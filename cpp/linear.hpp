@@ -1,9 +1,9 @@
 // Linear layer: y = x w^T + b, as torch.nn.Linear (weight (out, in)).
 #pragma once
 
-#include "common.hpp"
+#include "level.hpp"
 
-namespace attnpp {
+namespace attnpp::ATTNPP_CPU_NS {
 
 // y (M, Fout) = x (M, Fin) w^T + b; w (Fout, Fin); b (Fout) or nullptr. All contiguous.
 template <typename T>
@@ -14,4 +14,4 @@ template <typename T>
 void linear_backward(T* dx, T* dw, T* db, const T* dy, const T* x, const T* w, int64_t M, int64_t Fin,
                      int64_t Fout);
 
-}  // namespace attnpp
+}  // namespace attnpp::ATTNPP_CPU_NS

@@ -4,7 +4,7 @@
 
 #include "training.hpp"
 
-namespace attnpp {
+namespace attnpp::ATTNPP_CPU_NS {
 
 template <typename T>
 void sgd_step(T* param, const T* grad, T* momentum_buffer, int64_t n, double lr, double momentum,
@@ -47,4 +47,4 @@ void adamw_step(T* param, const T* grad, T* exp_avg, T* exp_avg_sq, int64_t n, d
 ATTNPP_INSTANTIATE(float)
 ATTNPP_INSTANTIATE(double)
 
-}  // namespace attnpp
+}  // namespace attnpp::ATTNPP_CPU_NS

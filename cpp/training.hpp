@@ -3,9 +3,9 @@
 // optim.cpp).
 #pragma once
 
-#include "common.hpp"
+#include "level.hpp"
 
-namespace attnpp {
+namespace attnpp::ATTNPP_CPU_NS {
 
 // out (n) = x * keep / (1 - p), keep = dropout_keep(seed, i, p) for element i (C order).
 template <typename T>
@@ -43,4 +43,4 @@ template <typename T>
 void adamw_step(T* param, const T* grad, T* exp_avg, T* exp_avg_sq, int64_t n, double lr, double beta1,
                 double beta2, double eps, double weight_decay, int64_t step);
 
-}  // namespace attnpp
+}  // namespace attnpp::ATTNPP_CPU_NS

@@ -1,0 +1,80 @@
+// The table of one CPU level's kernels, and the level in use.
+//
+// CMakeLists.txt compiles the kernel files once per level the architecture has (default, avx2, avx512 on x86-64;
+// default alone elsewhere), each into its own namespace (attnpp::cpu_avx2, ...), and kernels.cpp gathers each
+// level's entry points into its `kernels` table. dispatch.cpp picks one table at import; the bindings call
+// through it. What the kernels compute is documented where they are declared (attention.hpp, linear.hpp,
+// training.hpp).
+#pragma once
+
+#include <string>
+#include <vector>
+
+#include "common.hpp"
+
+namespace attnpp {
+
+template <typename T>
+struct Kernels {
+  void (*sdpa_forward)(const View4<T>& out, T* logsumexp, const View4<const T>& q, const View4<const T>& k,
+                       const View4<const T>& v, const AttnConfig<T>& cfg);
+  void (*sdpa_backward)(const View4<T>& dq, const View4<T>& dk, const View4<T>& dv, const View4<const T>& dout,
+                        const View4<const T>& out, const T* logsumexp, const View4<const T>& q,
+                        const View4<const T>& k, const View4<const T>& v, const AttnConfig<T>& cfg);
+  void (*sdpa_weights)(T* weights, const T* logsumexp, const View4<const T>& q, const View4<const T>& k,
+                       const AttnConfig<T>& cfg, bool average_heads);
+  void (*linear_forward)(T* y, const T* x, const T* w, const T* b, int64_t M, int64_t Fin, int64_t Fout);
+  void (*linear_backward)(T* dx, T* dw, T* db, const T* dy, const T* x, const T* w, int64_t M, int64_t Fin,
+                          int64_t Fout);
+  void (*dropout_forward)(T* out, const T* x, int64_t n, double p, uint64_t seed);
+  void (*dropout_backward)(T* dx, const T* dout, int64_t n, double p, uint64_t seed);
+  void (*embedding_forward)(T* out, const int64_t* index, const T* weight, int64_t N, int64_t E);
+  void (*embedding_backward)(T* dweight, const T* dout, const int64_t* index, int64_t N, int64_t E);
+  void (*cross_entropy_forward)(T* losses, T* stats, const T* input, const int64_t* target, int64_t N, int64_t C,
+                                int64_t ignore_index);
+  void (*cross_entropy_backward)(T* dinput, const T* row_weight, const T* stats, const T* input,
+                                 const int64_t* target, int64_t N, int64_t C);
+  void (*sgd_step)(T* param, const T* grad, T* momentum_buffer, int64_t n, double lr, double momentum,
+                   double dampening, double weight_decay, bool nesterov, bool first);
+  void (*adamw_step)(T* param, const T* grad, T* exp_avg, T* exp_avg_sq, int64_t n, double lr, double beta1,
+                     double beta2, double eps, double weight_decay, int64_t step);
+};
+
+// One level's kernels for both dtypes.
+struct KernelSet {
+  Kernels<float> f32;
+  Kernels<double> f64;
+  void (*dropout_mask)(bool* keep, int64_t n, double p, uint64_t seed);
+};
+
+// Each level's table (kernels.cpp, compiled once per level).
+namespace cpu_default { extern const KernelSet kernels; }
+#if defined(ATTNPP_HAS_LEVEL_avx2)
+namespace cpu_avx2 { extern const KernelSet kernels; }
+#endif
+#if defined(ATTNPP_HAS_LEVEL_avx512)
+namespace cpu_avx512 { extern const KernelSet kernels; }
+#endif
+
+// The level's name ("default", "avx2", "avx512"), whether this CPU can run it, and its table.
+struct CpuLevel {
+  const char* name;
+  bool supported;
+  const KernelSet* kernels;
+};
+// The levels this build holds, lowest first.
+const std::vector<CpuLevel>& cpu_levels();
+
+// Picks the level: the best one the CPU supports, or `forced` ("default", "avx2", "avx512"; "" = automatic).
+// std::invalid_argument for an unknown name, std::runtime_error for a level above what the CPU has.
+void select_cpu_level(const std::string& forced);
+// The level picked (select_cpu_level) and its kernels.
+const CpuLevel& cpu_level();
+template <typename T>
+const Kernels<T>& kernels();
+
+// How _core was built: the compiler, the flags of each level.
+const char* build_compiler();
+const char* build_flags();
+
+}  // namespace attnpp
