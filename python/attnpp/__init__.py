@@ -24,6 +24,34 @@ def set_num_threads(n):
     _core.set_num_threads(int(n))
 
 
+def cpu_capability():
+    """The CPU level whose kernels run: ``"default"``, ``"avx2"`` or ``"avx512"`` (x86-64); ``"default"`` elsewhere.
+
+    attnpp's kernels are compiled once per level and the best one the CPU supports is picked at import, as
+    PyTorch's ``CPU_CAPABILITY`` and NumPy's dispatch do: ``default`` is the x86-64 baseline (SSE2), ``avx2``
+    x86-64-v3 (AVX2, FMA), ``avx512`` x86-64-v4 (AVX-512 F, BW, CD, DQ, VL); on other architectures, their
+    baseline (NEON on aarch64). The environment variable ``ATTNPP_CPU_CAPABILITY=default|avx2|avx512``, read at
+    import, forces a level; one the CPU cannot run makes ``import attnpp`` raise ImportError. Results differ
+    between levels in the last bits (another order of sums, fused multiply-adds), never between thread counts.
+    """
+    return _core.cpu_capability()
+
+
+def show_config():
+    """Print how attnpp was built and what it runs with: the CPU level in use and the levels built and supported,
+    the compiler and its flags per level, the Eigen and OpenMP versions, the thread count (as
+    ``numpy.show_config``). Returns None."""
+    config = _core.build_config()
+    print(f"attnpp {__version__}")
+    print(f"  cpu_capability: {config['cpu_capability']} (built: {', '.join(config['levels_built'])}; this CPU "
+          f"supports: {', '.join(config['levels_supported'])}; ATTNPP_CPU_CAPABILITY forces one)")
+    print(f"  compiler: {config['compiler']}")
+    print(f"  flags: {config['flags']}")
+    print(f"  Eigen: {config['eigen']}")
+    print(f"  OpenMP: {config['openmp']}")
+    print(f"  threads: {get_num_threads()}")
+
+
 def empty_cache():
     """Free the memory attnpp keeps for reuse; returns its size in bytes.
 
@@ -34,5 +62,6 @@ def empty_cache():
     return _core.empty_cache()
 
 
-__all__ = ["functional", "nn", "optim", "manual_seed", "set_num_threads", "get_num_threads", "empty_cache"]
+__all__ = ["functional", "nn", "optim", "manual_seed", "set_num_threads", "get_num_threads", "empty_cache",
+           "cpu_capability", "show_config"]
 __version__ = "0.1.0"
