@@ -1,7 +1,8 @@
 // Scaled dot-product attention, FlashAttention-2 style (Dao, 2023, arXiv:2307.08691): memory grows with L, not
 // L * S. The forward walks key blocks with an online softmax and saves only out and logsumexp; the backward
-// recomputes each block of weights from logsumexp. Every product is a `gemm` on blocks that stay in cache; K (and
-// in the backward V) are first transposed per head, so that the products with K^T and V^T read contiguous rows.
+// recomputes each block of weights from logsumexp. Every product is a `gemm` on blocks that stay in cache; each
+// block of K (and in the backward of V) is transposed into a per-thread buffer first, so that the products with
+// K^T and V^T read short contiguous rows: the temporaries are a few blocks per thread, whatever L and S.
 #include "attention.hpp"
 
 #include <algorithm>
@@ -14,13 +15,25 @@ namespace {
 constexpr int64_t kBlockL = 64;   // query rows per block
 constexpr int64_t kBlockS = 128;  // keys per block
 
-// scores (rows, cols) = scale * q_blk k_blk^T + masks, with -inf above the causal diagonal; q_blk (rows, D) with
-// row stride ldq, kt = K^T (D, S) of this head, from column j0. Returns false when every score is -inf.
+// t (cols, rows) = rows [j0, j0 + rows) of head (n, h) of a, transposed: the B operand of a product with K^T
+// or V^T, one key block of it.
 template <typename T>
-bool score_block(RowMat<T>& scores, const T* q_blk, int64_t ldq, const T* kt, int64_t rows, int64_t cols,
+void transpose_block(RowMat<T>& t, const View4<const T>& a, int64_t n, int64_t h, int64_t j0, int64_t rows,
+                     int64_t cols) {
+  t.resize(cols, rows);
+  const T* src = a.at(n, h, j0);
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t c = 0; c < cols; ++c) t(c, r) = src[r * a.row + c];
+}
+
+// scores (rows, cols) = scale * q_blk k_blk^T + masks, with -inf above the causal diagonal; q_blk (rows, D) with
+// row stride ldq, kt = k_blk^T (D, >= cols) of the key block starting at j0. Returns false when every score is
+// -inf.
+template <typename T>
+bool score_block(RowMat<T>& scores, const T* q_blk, int64_t ldq, const RowMat<T>& kt, int64_t rows, int64_t cols,
                  const AttnConfig<T>& cfg, int64_t n, int64_t h, int64_t i0, int64_t j0) {
   scores.resize(rows, cols);
-  gemm(scores.data(), cols, q_blk, ldq, int64_t(1), kt + j0, cfg.S, rows, cols, cfg.D, cfg.scale, false);
+  gemm(scores.data(), cols, q_blk, ldq, int64_t(1), kt.data(), kt.cols(), rows, cols, cfg.D, cfg.scale, false);
   for (const auto& m : cfg.masks)
     for (int64_t r = 0; r < rows; ++r)
       for (int64_t c = 0; c < cols; ++c) scores(r, c) += m.at(n, h, i0 + r, j0 + c);
@@ -101,22 +114,21 @@ template <typename T>
 void sdpa_forward(const View4<T>& out, T* logsumexp, const View4<const T>& q, const View4<const T>& k,
                   const View4<const T>& v, const AttnConfig<T>& cfg) {
   const int64_t q_blocks = ceil_div(cfg.L, kBlockL);
-  const auto kt = transpose_heads(k, cfg.N, cfg.Hk, cfg.S, cfg.D);  // (N, Hk, D, S)
   parallel_for(
       cfg.N * cfg.Hq * q_blocks, cfg.work(),
       [&](int64_t task) {
         const int64_t n = task / (cfg.Hq * q_blocks), h = task / q_blocks % cfg.Hq, qb = task % q_blocks;
-        thread_local RowMat<T> s_blk, acc;                      // (Br, Bc) scores then weights; (Br, Dv) output
+        thread_local RowMat<T> kt, s_blk, acc;  // (D, Bc) k_blk^T; (Br, Bc) scores then weights; (Br, Dv) output
         thread_local Eigen::Matrix<T, Eigen::Dynamic, 1> m, l;  // (Br) running max and running sum
         const int64_t hk = h / cfg.group(), i0 = qb * kBlockL, rows = std::min(kBlockL, cfg.L - i0);
-        const T* kt_h = kt.get() + (n * cfg.Hk + hk) * cfg.D * cfg.S;
         acc.setZero(rows, cfg.Dv);
         m.setConstant(rows, neg_inf<T>());
         l.setZero(rows);
         const int64_t k_blocks = key_blocks_for(cfg, i0, rows);
         for (int64_t kb = 0; kb < k_blocks; ++kb) {
           const int64_t j0 = kb * kBlockS, cols = visible_cols(cfg, i0, rows, j0);
-          if (!score_block(s_blk, q.at(n, h, i0), q.row, kt_h, rows, cols, cfg, n, h, i0, j0)) continue;
+          transpose_block(kt, k, n, hk, j0, cols, cfg.D);
+          if (!score_block(s_blk, q.at(n, h, i0), q.row, kt, rows, cols, cfg, n, h, i0, j0)) continue;
           for (int64_t r = 0; r < rows; ++r) {
             // the new running max; NaN once a score is NaN, so that the row comes out NaN as in PyTorch
             const T blk_max = s_blk.row(r).template maxCoeff<Eigen::PropagateNaN>();
@@ -166,8 +178,6 @@ void sdpa_backward(const View4<T>& dq, const View4<T>& dk, const View4<T>& dv, c
       delta[nh * cfg.L + i] = sum;
     }
   });
-  const auto kt = transpose_heads(k, cfg.N, cfg.Hk, cfg.S, cfg.D);   // (N, Hk, D, S)
-  const auto vt = transpose_heads(v, cfg.N, cfg.Hk, cfg.S, cfg.Dv);  // (N, Hk, Dv, S)
   const int64_t k_blocks = ceil_div(cfg.S, kBlockS), q_blocks = ceil_div(cfg.L, kBlockL);
   // One thread owns a (n, key/value head) pair: it alone writes that pair's dk, dv and, since each query
   // head belongs to one key/value head, its query heads' dq.
@@ -175,11 +185,11 @@ void sdpa_backward(const View4<T>& dq, const View4<T>& dk, const View4<T>& dv, c
       cfg.N * cfg.Hk, cfg.work(),
       [&](int64_t task) {
         const int64_t n = task / cfg.Hk, hk = task % cfg.Hk;
-        thread_local RowMat<T> p_blk, dp_blk, pd_blk;  // (Br, Bc)
+        thread_local RowMat<T> kt, vt, p_blk, dp_blk, pd_blk;  // (D, Bc) k_blk^T, (Dv, Bc) v_blk^T; (Br, Bc)
         for (int64_t kb = 0; kb < k_blocks; ++kb) {
-          const int64_t j0 = kb * kBlockS;
-          const T* kt_h = kt.get() + (n * cfg.Hk + hk) * cfg.D * cfg.S;
-          const T* vt_h = vt.get() + (n * cfg.Hk + hk) * cfg.Dv * cfg.S;
+          const int64_t j0 = kb * kBlockS, width = std::min(kBlockS, cfg.S - j0);
+          transpose_block(kt, k, n, hk, j0, width, cfg.D);
+          transpose_block(vt, v, n, hk, j0, width, cfg.Dv);
           for (int64_t h = hk * cfg.group(); h < (hk + 1) * cfg.group(); ++h)
             for (int64_t qb = 0; qb < q_blocks; ++qb) {
               const int64_t i0 = qb * kBlockL, rows = std::min(kBlockL, cfg.L - i0);
@@ -190,11 +200,11 @@ void sdpa_backward(const View4<T>& dq, const View4<T>& dk, const View4<T>& dv, c
               const T* lse = logsumexp + (n * cfg.Hq + h) * cfg.L + i0;
               const T* dlt = delta.data() + (n * cfg.Hq + h) * cfg.L + i0;
               // s = scale * q k^T + mask;  p = exp(s - lse)
-              if (!score_block(p_blk, q_blk, q.row, kt_h, rows, cols, cfg, n, h, i0, j0)) continue;
+              if (!score_block(p_blk, q_blk, q.row, kt, rows, cols, cfg, n, h, i0, j0)) continue;
               probs_from_lse(p_blk, lse);
               // dp_dropped = dout v^T            <- out = p_dropped v
               dp_blk.resize(rows, cols);
-              gemm(dp_blk.data(), cols, do_blk, dout.row, int64_t(1), vt_h + j0, cfg.S, rows, cols, cfg.Dv, T(1),
+              gemm(dp_blk.data(), cols, do_blk, dout.row, int64_t(1), vt.data(), width, rows, cols, cfg.Dv, T(1),
                    false);
               const RowMat<T>* p_used = &p_blk;  // the weights that multiplied v in the forward
               if (cfg.dropout_p > 0) {
@@ -222,32 +232,35 @@ void sdpa_backward(const View4<T>& dq, const View4<T>& dk, const View4<T>& dv, c
 template <typename T>
 void sdpa_weights(T* weights, const T* logsumexp, const View4<const T>& q, const View4<const T>& k,
                   const AttnConfig<T>& cfg, bool average_heads) {
-  const int64_t q_blocks = ceil_div(cfg.L, kBlockL), heads_out = average_heads ? 1 : cfg.Hq;
-  const auto kt = transpose_heads(k, cfg.N, cfg.Hk, cfg.S, cfg.D);  // (N, Hk, D, S)
+  const int64_t q_blocks = ceil_div(cfg.L, kBlockL), k_blocks = ceil_div(cfg.S, kBlockS);
+  const int64_t heads_out = average_heads ? 1 : cfg.Hq;
   parallel_for(
       cfg.N * heads_out * q_blocks, cfg.work(),
       [&](int64_t task) {
         const int64_t n = task / (heads_out * q_blocks), ho = task / q_blocks % heads_out, qb = task % q_blocks;
-        thread_local RowMat<T> p_blk;
+        thread_local RowMat<T> kt, p_blk;  // (D, Bc) k_blk^T; (Br, Bc) weights
         const int64_t i0 = qb * kBlockL, rows = std::min(kBlockL, cfg.L - i0);
-        auto w = MapRows<T>(weights + ((n * heads_out + ho) * cfg.L + i0) * cfg.S, rows, cfg.S,
-                            Eigen::OuterStride<>(cfg.S));
         // one head, or all of them summed in order (then divided by Hq, as PyTorch's mean over heads)
         const int64_t h_begin = average_heads ? 0 : ho, h_end = average_heads ? cfg.Hq : ho + 1;
-        for (int64_t h = h_begin; h < h_end; ++h) {
-          const T* kt_h = kt.get() + (n * cfg.Hk + h / cfg.group()) * cfg.D * cfg.S;
-          score_block(p_blk, q.at(n, h, i0), q.row, kt_h, rows, cfg.S, cfg, n, h, i0, 0);
-          probs_from_lse(p_blk, logsumexp + (n * cfg.Hq + h) * cfg.L + i0);
-          if (cfg.dropout_p > 0) apply_dropout(p_blk, cfg, n, h, i0, 0);
-          if (h == h_begin)
-            w = p_blk;
-          else
-            w += p_blk;
+        for (int64_t kb = 0; kb < k_blocks; ++kb) {
+          const int64_t j0 = kb * kBlockS, cols = std::min(kBlockS, cfg.S - j0);
+          auto w = MapRows<T>(weights + ((n * heads_out + ho) * cfg.L + i0) * cfg.S + j0, rows, cols,
+                              Eigen::OuterStride<>(cfg.S));
+          for (int64_t h = h_begin; h < h_end; ++h) {
+            transpose_block(kt, k, n, h / cfg.group(), j0, cols, cfg.D);
+            score_block(p_blk, q.at(n, h, i0), q.row, kt, rows, cols, cfg, n, h, i0, j0);
+            probs_from_lse(p_blk, logsumexp + (n * cfg.Hq + h) * cfg.L + i0);
+            if (cfg.dropout_p > 0) apply_dropout(p_blk, cfg, n, h, i0, j0);
+            if (h == h_begin)
+              w = p_blk;
+            else
+              w += p_blk;
+          }
+          if (h_begin == h_end)  // the mean over no heads (Hq = 0), NaN as in PyTorch
+            w.setConstant(std::numeric_limits<T>::quiet_NaN());
+          else if (average_heads)
+            w /= T(cfg.Hq);
         }
-        if (h_begin == h_end)  // the mean over no heads (Hq = 0), NaN as in PyTorch
-          w.setConstant(std::numeric_limits<T>::quiet_NaN());
-        else if (average_heads)
-          w /= T(cfg.Hq);
       },
       true);
 }

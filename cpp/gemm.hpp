@@ -23,7 +23,7 @@ namespace gemm_detail {
 #if defined(__AVX512F__)
 constexpr int kVecBytes = 64, kMR = 6, kNV = 4;  // 32 registers
 #elif defined(__AVX__)
-constexpr int kVecBytes = 32, kMR = 4, kNV = 3;  // 16 registers
+constexpr int kVecBytes = 32, kMR = 6, kNV = 2;  // 15 of 16 registers
 #else
 constexpr int kVecBytes = 16, kMR = 4, kNV = 2;  // 16 registers (SSE2)
 #endif
@@ -120,19 +120,16 @@ void gemm(T* C, int64_t ldc, const T* A, int64_t ars, int64_t acs, const T* B, i
     }
 }
 
-// (N, H, rows, cols) strided -> (N, H, cols, rows) contiguous: K^T and V^T per head. Left uninitialized before
-// (no memset of a buffer the size of K), written in tiles of 32 rows so that the reads stay in cache.
+// a (rows, cols) contiguous -> a^T (cols, rows) contiguous, for a weight whose transpose a product wants as its B.
+// Left uninitialized before (no memset), written in tiles of 32 rows so that the reads stay in cache.
 template <typename T>
-std::unique_ptr<T[]> transpose_heads(const View4<const T>& a, int64_t N, int64_t H, int64_t rows, int64_t cols) {
-  std::unique_ptr<T[]> t(new T[N * H * rows * cols]);
+std::unique_ptr<T[]> transpose(const T* a, int64_t rows, int64_t cols) {
+  std::unique_ptr<T[]> t(new T[rows * cols]);
   constexpr int64_t kTile = 32;
-  const int64_t tiles = ceil_div(rows, kTile);
-  parallel_for(N * H * tiles, N * H * rows * cols, [&](int64_t task) {
-    const int64_t nh = task / tiles, r0 = task % tiles * kTile, r1 = std::min(rows, r0 + kTile);
-    const T* src = a.at(nh / H, nh % H, 0);
-    T* dst = t.get() + nh * rows * cols;
+  parallel_for(ceil_div(rows, kTile), rows * cols, [&](int64_t tile) {
+    const int64_t r0 = tile * kTile, r1 = std::min(rows, r0 + kTile);
     for (int64_t c = 0; c < cols; ++c)
-      for (int64_t r = r0; r < r1; ++r) dst[c * rows + r] = src[r * a.row + c];
+      for (int64_t r = r0; r < r1; ++r) t[c * rows + r] = a[r * cols + c];
   });
   return t;
 }

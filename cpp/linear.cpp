@@ -13,12 +13,6 @@ bool narrow(int64_t n) {
   return n < gemm_detail::Vec<T>::width;
 }
 
-// w (Fout, Fin) -> w^T (Fin, Fout), contiguous.
-template <typename T>
-std::unique_ptr<T[]> transposed(const T* w, int64_t Fout, int64_t Fin) {
-  return transpose_heads(View4<const T>{w, 0, 0, Fin}, 1, 1, Fout, Fin);
-}
-
 }  // namespace
 
 template <typename T>
@@ -26,7 +20,7 @@ void linear_forward(T* y, const T* x, const T* w, const T* b, int64_t M, int64_t
   if (narrow<T>(Fout)) {  // y[i, j] = x[i, :] . w[j, :]
     dot_products(y, x, Fin, w, Fin, M, Fout, Fin, false);
   } else {  // y = x w^T with w^T's rows contiguous: Fin * Fout copies against M * Fin * Fout multiply-adds
-    const auto wt = transposed(w, Fout, Fin);
+    const auto wt = transpose(w, Fout, Fin);
     gemm_parallel(y, Fout, x, Fin, int64_t(1), wt.get(), Fout, M, Fout, Fin, T(1), false);
   }
   if (b)
@@ -40,7 +34,7 @@ void linear_backward(T* dx, T* dw, T* db, const T* dy, const T* x, const T* w, i
   if (narrow<T>(Fin)) {
     // dx[i, f] += dy[i, :] . w^T[f, :]     <- y = x w^T
     if (dx) {
-      const auto wt = transposed(w, Fout, Fin);
+      const auto wt = transpose(w, Fout, Fin);
       dot_products(dx, dy, Fout, wt.get(), Fout, M, Fin, Fout, true);
     }
     // dw^T = x^T dy (Fin, Fout), wide, then dw += (dw^T)^T
