@@ -803,6 +803,47 @@ def test_too_large_raises_memory_error(call, ws):
     assert isinstance(attnpp.empty_cache(), int)
 
 
+WEIGHTS_L = 200000  # (1, 2, L, L) float64 weights: 640 GB
+
+
+def _weights_layers():
+    """(make, forward with the weights) for the layers that return them; ``make`` builds a float64 layer of width
+    8 with 2 heads."""
+    mha = lambda: MultiheadAttention(8, 2, batch_first=True, dtype=np.float64)
+    attention = lambda: Attention(8, 2, dtype=np.float64)
+    return [(mha, lambda m, x: m(x, x, x, need_weights=True, average_attn_weights=False)),
+            (attention, lambda a, x: a(x, need_weights=True))]
+
+
+@pytest.mark.skipif(_overcommit_always(), reason="vm.overcommit_memory=1: a huge malloc might succeed")
+@pytest.mark.parametrize("index", [0, 1], ids=["MultiheadAttention", "Attention"])
+def test_weights_too_large_refused_before_the_attention(index):
+    """The weights are allocated before any work: (1, 200000, 8) with need_weights asks for 640 GB of them, and
+    the MemoryError (naming the shape and the bytes) comes at once instead of after the attention over 200,000
+    keys (168 s); the layer is unharmed."""
+    make, forward = _weights_layers()[index]
+    layer = make()
+    snapshot = _snapshot(layer)
+    x = np.zeros((1, WEIGHTS_L, 8))
+    with pytest.raises(MemoryError, match=words("Unable to allocate", f"(1, 2, {WEIGHTS_L}, {WEIGHTS_L})",
+                                                 f"{8 * 2 * WEIGHTS_L ** 2} bytes", "float64")):
+        forward(layer, x)
+    small = np.random.default_rng(3).standard_normal((1, 5, 8))
+
+    def run(lay):
+        out, w = forward(lay, small)
+        grads = lay.backward(np.ones_like(out))
+        return (out, w) + (grads if isinstance(grads, tuple) else (grads,))
+    _check_layer_unharmed(layer, make, snapshot, run)
+
+
+@pytest.mark.skipif(_overcommit_always(), reason="vm.overcommit_memory=1: a huge malloc might succeed")
+def test_functional_weights_too_large_refused():
+    q = np.zeros((1, 2, WEIGHTS_L, 4))
+    with pytest.raises(MemoryError, match=words(f"(1, 2, {WEIGHTS_L}, {WEIGHTS_L})", f"{8 * 2 * WEIGHTS_L ** 2} bytes")):
+        AF.scaled_dot_product_attention_weights(q, q)
+
+
 # --------------------------------------------------------------------------------------------------- layers
 def _snapshot(layer):
     return {name: (p.data.copy(), p.grad.copy()) for name, p in layer.named_parameters()}

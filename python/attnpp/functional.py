@@ -35,9 +35,14 @@ def _empty(shape, dtype):
     """``np.empty``, from the core's pool of recycled blocks when large (see cpp/buffer_pool.hpp: fresh memory
     costs a page fault per 4 KiB, which dominated a training step that allocates its logits anew each time)."""
     dtype = np.dtype(dtype)
-    if math.prod(shape) * dtype.itemsize < _POOLED_BYTES:
+    nbytes = math.prod(shape) * dtype.itemsize
+    if nbytes < _POOLED_BYTES:
         return np.empty(shape, dtype)
-    return _core.empty(list(shape), dtype)
+    try:
+        return _core.empty(list(shape), dtype)
+    except MemoryError:  # (the core says only std::bad_alloc; NumPy's own wording, with the shape and bytes)
+        raise MemoryError(f"Unable to allocate {nbytes / 2**30:.3g} GiB ({nbytes} bytes) for an array with shape "
+                          f"{tuple(shape)} and data type {dtype}") from None
 
 
 def _zeros(shape, dtype):
@@ -378,6 +383,7 @@ def scaled_dot_product_attention_weights(query, key, attn_mask=None, dropout_p=0
                                          logsumexp=None):
     p = _Problem(query, key, None, attn_mask, dropout_p, is_causal, scale, enable_gqa, seed, causal_alignment,
                  has_value=False)
+    weights = _empty((p.N, p.Hq, p.L, p.S), p.dtype)  # first: a MemoryError before any work
     if logsumexp is None:  # a forward with Dv = 0 computes the log-sum-exp alone
         lse = np.empty((p.N, p.Hq, p.L), p.dtype)
         _core.sdpa_forward(np.empty((p.N, p.Hq, p.L, 0), p.dtype), lse, p.q4, p.k4, p.v4, *p.core_args())
@@ -386,7 +392,6 @@ def scaled_dot_product_attention_weights(query, key, attn_mask=None, dropout_p=0
         if logsumexp.shape != p.out_shape(p.L):
             raise ValueError(f"logsumexp: expected shape {p.out_shape(p.L)}, got {logsumexp.shape}")
         lse = np.ascontiguousarray(logsumexp).reshape(p.N, p.Hq, p.L)
-    weights = _empty((p.N, p.Hq, p.L, p.S), p.dtype)
     _core.sdpa_weights(weights, lse, p.q4, p.k4, *p.core_args())
     return weights.reshape(p.out_shape(p.L, p.S))
 

@@ -158,6 +158,8 @@ class Attention(Module):
         x3, c3 = (x, context) if batched else (x[None], context[None])
         B, L, S = x3.shape[0], x3.shape[1], c3.shape[1]
         H = self.num_heads
+        # the weights first: one too large to allocate is a MemoryError before any work, the layer unchanged
+        weights = F._empty((B, H, L, S), self.dtype) if need_weights else None
         masks = []
         if key_padding_mask is not None:
             kpm = F.additive_mask(key_padding_mask, self.dtype, "key_padding_mask", true_means_masked=True)
@@ -179,7 +181,6 @@ class Attention(Module):
         out = y if batched else y[0]
         if not need_weights:
             return out
-        weights = F._empty((B, H, L, S), self.dtype)
         _core.sdpa_weights(weights, lse, self._heads(q), self._heads(k), *core_args)
         return out, (weights if batched else weights[0])
 

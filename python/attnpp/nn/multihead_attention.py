@@ -206,6 +206,8 @@ class MultiheadAttention(Module):
             kpm = None if kpm is None else pad(kpm)
         S_all = S + len(extra)
         full = (B, H, L, S_all)
+        # the weights before the attention: one too large to allocate is a MemoryError before any work
+        weights = F._empty((B, L, S_all) if average_attn_weights else full, dt) if need_weights else None
         masks = []
         if am is not None:
             masks.append(F.mask_arg(am if am.ndim == 2 else am.reshape(full), full))
@@ -220,9 +222,7 @@ class MultiheadAttention(Module):
         q4, k4, v4, o4 = (self._heads(x, bf) for x in (q, k, v, out))
         _core.sdpa_forward(o4, lse, q4, k4, v4, *core_args)
         y = self.out_proj(out)
-        weights = None
         if need_weights:  # the mean over heads is taken in the core, without the (B, H, L, S) weights
-            weights = F._empty((B, L, S_all) if average_attn_weights else full, dt)
             _core.sdpa_weights(weights, lse, q4, k4, *core_args, average_heads=average_attn_weights)
         self._ctx = dict(inputs=(q3, k3, v3), proj=(q, k, v, out), lse=lse, core_args=core_args, bf=bf,
                          batched=batched, S=S, seq_axis=seq_axis, out_shape=y.shape if batched else y.shape[1:])
