@@ -62,6 +62,8 @@ def rng():
 
 
 def pytest_terminal_summary(terminalreporter):
+    import attnpp
+    terminalreporter.write_line(f"attnpp CPU level: {attnpp.cpu_capability()} (ATTNPP_CPU_CAPABILITY forces one)")
     if LARGEST:
         figures = ", ".join(f"{k} {v:.2e}" for k, v in sorted(LARGEST.items()))
         terminalreporter.write_line(f"largest parity error against PyTorch (relative to max(1, |ref|)): {figures}")

@@ -37,19 +37,28 @@ def cpu_capability():
     return _core.cpu_capability()
 
 
-def show_config():
-    """Print how attnpp was built and what it runs with: the CPU level in use and the levels built and supported,
-    the compiler and its flags per level, the Eigen and OpenMP versions, the thread count (as
-    ``numpy.show_config``). Returns None."""
-    config = _core.build_config()
+def show_config(mode="stdout"):
+    """How attnpp was built and what it runs with: the CPU level in use, the levels built and those this CPU
+    supports, the compiler and its flags per level, the Eigen and OpenMP versions, the thread count.
+
+    Args:
+        mode (str): ``"stdout"`` (default) prints them; ``"dicts"`` returns them as a dict, as
+            ``numpy.show_config`` does (keys ``cpu_capability``, ``levels_built``, ``levels_supported``,
+            ``compiler``, ``flags``, ``eigen``, ``openmp``, ``threads``).
+
+    Raises:
+        ValueError: another ``mode``.
+    """
+    if mode not in ("stdout", "dicts"):
+        raise ValueError(f"show_config: mode must be 'stdout' or 'dicts', got {mode!r}")
+    config = dict(_core.build_config(), threads=get_num_threads())
+    if mode == "dicts":
+        return config
     print(f"attnpp {__version__}")
     print(f"  cpu_capability: {config['cpu_capability']} (built: {', '.join(config['levels_built'])}; this CPU "
           f"supports: {', '.join(config['levels_supported'])}; ATTNPP_CPU_CAPABILITY forces one)")
-    print(f"  compiler: {config['compiler']}")
-    print(f"  flags: {config['flags']}")
-    print(f"  Eigen: {config['eigen']}")
-    print(f"  OpenMP: {config['openmp']}")
-    print(f"  threads: {get_num_threads()}")
+    for key in ("compiler", "flags", "eigen", "openmp", "threads"):
+        print(f"  {key}: {config[key]}")
 
 
 def empty_cache():
