@@ -61,8 +61,9 @@ if [[ -n $missing ]]; then
 fi
 
 # ---- sanitized build ------------------------------------------------------------------------------------------
-# The CMakeLists appends -O3 -march=native -fno-math-errno after CMAKE_CXX_FLAGS, so the code checked is
-# the code shipped (same optimizer, same vector paths, NDEBUG as in Release). On top of -fsanitize=undefined:
+# The CMakeLists appends -O3 -fno-math-errno (and each CPU level's -march) after CMAKE_CXX_FLAGS, so the code
+# checked is the code shipped (same optimizer, same vector paths, NDEBUG as in Release). The suite runs at the
+# host's best CPU level (ATTNPP_CPU_CAPABILITY set by the caller picks another). On top of -fsanitize=undefined:
 #   float-cast-overflow      out-of-range float->integer conversion is UB; GCC leaves it out of "undefined".
 #   (float-divide-by-zero stays off: IEEE division giving inf/NaN is legitimate in the masks.)
 #   -fno-sanitize-recover=all  every UBSan report aborts, like ASan's (KEEP_GOING=1: every report continues).

@@ -1,0 +1,279 @@
+// Standalone test of ONE CPU level's kernels (the namespace attnpp::ATTNPP_CPU_NS, through its table `kernels`)
+// against naive references in double: sdpa forward (out, logsumexp) and backward (dq, dk, dv), linear forward
+// and backward, float32 and float64. No Python, no framework: one line per check, then "N passed, N failed".
+// Built and run per level (natively, and under qemu for aarch64 and an old x86-64) by tools/cross_check.sh, e.g.
+//   g++ -O3 -fno-math-errno -fopenmp -std=c++17 -march=x86-64-v3 -DATTNPP_CPU_NS=cpu_avx2
+//       -DEIGEN_GEMM_TO_COEFFBASED_THRESHOLD=0 -Icpp -I<eigen3> tests/cpp/test_kernels.cpp cpp/{attention,...}.cpp
+#include <omp.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <string>
+#include <vector>
+
+#include "kernels.hpp"
+
+using namespace attnpp;
+
+// kernels.hpp declares a level's table only when the build has that level (ATTNPP_HAS_LEVEL_*); this test builds
+// exactly one, whichever it is.
+namespace attnpp::ATTNPP_CPU_NS {
+extern const KernelSet kernels;
+}
+
+// The process-wide thread count that the kernels' parallel_for reads. dispatch.cpp defines it, but it also
+// builds the table of levels, which names cpu_default::kernels: it links only with the default level, and this
+// test builds one level at a time. So the two functions are defined here, with the same meaning.
+namespace attnpp {
+static int g_threads = omp_get_max_threads();
+int thread_count() { return g_threads; }
+void set_thread_count(int n) { g_threads = n; }
+}  // namespace attnpp
+
+#define STR2(x) #x
+#define STR(x) STR2(x)
+
+static int passed = 0, failed = 0;
+
+template <typename T> const Kernels<T>& table();
+template <> const Kernels<float>& table<float>() { return ATTNPP_CPU_NS::kernels.f32; }
+template <> const Kernels<double>& table<double>() { return ATTNPP_CPU_NS::kernels.f64; }
+template <typename T> const char* dtype_name() { return sizeof(T) == 4 ? "float32" : "float64"; }
+template <typename T> double tolerance() { return sizeof(T) == 4 ? 1e-5 : 1e-12; }
+
+// Max error relative to max(1, |ref|); infinities must match exactly, NaN never does.
+template <typename T>
+void check(const std::string& what, const std::vector<T>& got, const std::vector<double>& ref) {
+  double err = got.size() == ref.size() ? 0 : INFINITY;
+  for (size_t i = 0; i < got.size() && i < ref.size(); ++i) {
+    const double g = got[i], r = ref[i];
+    const double e = (std::isinf(g) || std::isinf(r)) ? (g == r ? 0 : INFINITY)
+                                                       : std::fabs(g - r) / std::max(1.0, std::fabs(r));
+    err = std::isnan(e) ? INFINITY : std::max(err, e);
+  }
+  const bool ok = err <= tolerance<T>();
+  (ok ? passed : failed)++;
+  std::printf("%s %-58s max rel err %.2e (tol %.0e)\n", ok ? "PASS" : "FAIL", what.c_str(), err, tolerance<T>());
+}
+
+void check_true(const std::string& what, bool ok) {
+  (ok ? passed : failed)++;
+  std::printf("%s %s\n", ok ? "PASS" : "FAIL", what.c_str());
+}
+
+// Deterministic inputs in [lo, hi) on every platform (SplitMix64 from common.hpp, not <random>).
+template <typename T>
+std::vector<T> uniform(size_t n, uint64_t seed, double lo = -1, double hi = 1) {
+  std::vector<T> v(n);
+  for (size_t i = 0; i < n; ++i) v[i] = T(lo + (hi - lo) * double(mix64(seed * 1000003 + i) >> 11) * 0x1p-53);
+  return v;
+}
+template <typename T>
+std::vector<double> widen(const std::vector<T>& v) { return {v.begin(), v.end()}; }
+
+// ------------------------------------------------------------------------------------------------ attention
+struct Case {
+  const char* name;
+  int64_t N, Hq, Hk, L, S, D, Dv;
+  Causal causal = Causal::none;
+  bool masks = false;       // an additive (N, 1, L, S) mask with -inf holes and a fully masked row, plus an (N, S) one
+  double dropout_p = 0;
+  bool interleaved = false; // buffers laid out (N, rows, H, cols), as MultiheadAttention passes them
+};
+
+// A (N, H, rows, cols) tensor in either layout: its View4 strides and element (n, h, r, c)'s offset.
+struct Layout {
+  int64_t N, H, rows, cols;
+  bool interleaved;
+  int64_t sn() const { return H * rows * cols; }
+  int64_t sh() const { return interleaved ? cols : rows * cols; }
+  int64_t sr() const { return interleaved ? H * cols : cols; }
+  size_t size() const { return size_t(N * H * rows * cols); }
+  size_t at(int64_t n, int64_t h, int64_t r, int64_t c) const { return size_t(n * sn() + h * sh() + r * sr() + c); }
+  template <typename T> View4<T> view(T* p) const { return {p, sn(), sh(), sr()}; }
+};
+
+// The additive masks: values in [-2, 2), every 7th -inf, all of row (0, 5) -inf; keys S-3.. padded out for n = 1.
+template <typename T>
+void make_masks(const Case& c, std::vector<T>& full, std::vector<T>& pad) {
+  full = uniform<T>(size_t(c.N * c.L * c.S), 99, -2, 2);
+  for (size_t i = 0; i < full.size(); i += 7) full[i] = neg_inf<T>();
+  for (int64_t j = 0; j < c.S; ++j) full[size_t(5 * c.S + j)] = neg_inf<T>();
+  pad.assign(size_t(c.N * c.S), T(0));
+  for (int64_t j = std::max<int64_t>(0, c.S - 3); j < c.S && c.N > 1; ++j) pad[size_t(c.S + j)] = neg_inf<T>();
+}
+
+// Naive attention in double: forward (out, lse) and backward (+= into dq, dk, dv) from the same inputs.
+struct Reference {
+  std::vector<double> out, lse, dq, dk, dv;
+};
+template <typename T>
+Reference reference(const Case& c, const AttnConfig<T>& cfg, const Layout& lq, const Layout& lk, const Layout& lv,
+                    const Layout& lo, const std::vector<T>& q, const std::vector<T>& k, const std::vector<T>& v,
+                    const std::vector<T>& dout, const std::vector<T>& dq0, const std::vector<T>& dk0,
+                    const std::vector<T>& dv0) {
+  Reference R{std::vector<double>(lo.size()), std::vector<double>(size_t(c.N * c.Hq * c.L)), widen(dq0), widen(dk0),
+              widen(dv0)};
+  std::vector<double> s(c.S), p(c.S), keep(c.S);
+  for (int64_t n = 0; n < c.N; ++n)
+    for (int64_t h = 0; h < c.Hq; ++h) {
+      const int64_t hk = h / (c.Hq / c.Hk);
+      for (int64_t i = 0; i < c.L; ++i) {
+        double m = -INFINITY;
+        for (int64_t j = 0; j < c.S; ++j) {
+          double dot = 0;
+          for (int64_t d = 0; d < c.D; ++d) dot += double(q[lq.at(n, h, i, d)]) * double(k[lk.at(n, hk, j, d)]);
+          s[j] = double(cfg.scale) * dot;
+          for (const auto& mv : cfg.masks) s[j] += double(mv.at(n, h, i, j));
+          if (j > cfg.last_key(i)) s[j] = -INFINITY;
+          m = std::max(m, s[j]);
+          const uint64_t index = uint64_t(((n * c.Hq + h) * c.L + i) * c.S + j);
+          keep[j] = c.dropout_p == 0 ? 1 : dropout_keep(cfg.seed, index, c.dropout_p) / (1 - c.dropout_p);
+        }
+        double& lse = R.lse[size_t((n * c.Hq + h) * c.L + i)];
+        if (m == -INFINITY) {  // fully masked row: out 0 (already), lse -inf, no gradient
+          lse = -INFINITY;
+          continue;
+        }
+        double sum = 0;
+        for (int64_t j = 0; j < c.S; ++j) sum += std::exp(s[j] - m);
+        lse = m + std::log(sum);
+        for (int64_t j = 0; j < c.S; ++j) p[j] = std::exp(s[j] - lse);
+        // out = (p * keep) v;  dp = (dout . v_j) * keep;  ds = p (dp - sum_j p dp);  s = scale q k^T
+        std::vector<double> dp(c.S);
+        double delta = 0;
+        for (int64_t j = 0; j < c.S; ++j) {
+          double g = 0;
+          for (int64_t e = 0; e < c.Dv; ++e) {
+            R.out[lo.at(n, h, i, e)] += p[j] * keep[j] * double(v[lv.at(n, hk, j, e)]);
+            R.dv[lv.at(n, hk, j, e)] += p[j] * keep[j] * double(dout[lo.at(n, h, i, e)]);
+            g += double(dout[lo.at(n, h, i, e)]) * double(v[lv.at(n, hk, j, e)]);
+          }
+          dp[j] = g * keep[j];
+          delta += p[j] * dp[j];
+        }
+        for (int64_t j = 0; j < c.S; ++j) {
+          const double ds = double(cfg.scale) * p[j] * (dp[j] - delta);
+          for (int64_t d = 0; d < c.D; ++d) {
+            R.dq[lq.at(n, h, i, d)] += ds * double(k[lk.at(n, hk, j, d)]);
+            R.dk[lk.at(n, hk, j, d)] += ds * double(q[lq.at(n, h, i, d)]);
+          }
+        }
+      }
+    }
+  return R;
+}
+
+template <typename T>
+void test_sdpa(const Case& c) {
+  const Layout lq{c.N, c.Hq, c.L, c.D, c.interleaved}, lk{c.N, c.Hk, c.S, c.D, c.interleaved},
+      lv{c.N, c.Hk, c.S, c.Dv, c.interleaved}, lo{c.N, c.Hq, c.L, c.Dv, c.interleaved};
+  const auto q = uniform<T>(lq.size(), 1), k = uniform<T>(lk.size(), 2), v = uniform<T>(lv.size(), 3),
+             dout = uniform<T>(lo.size(), 4);
+  // the backward accumulates: start from nonzero gradients
+  const auto dq0 = uniform<T>(lq.size(), 5), dk0 = uniform<T>(lk.size(), 6), dv0 = uniform<T>(lv.size(), 7);
+  AttnConfig<T> cfg;
+  cfg.N = c.N, cfg.Hq = c.Hq, cfg.Hk = c.Hk, cfg.L = c.L, cfg.S = c.S, cfg.D = c.D, cfg.Dv = c.Dv;
+  cfg.scale = T(1 / std::sqrt(double(c.D)));
+  cfg.causal = c.causal;
+  cfg.dropout_p = c.dropout_p;
+  cfg.seed = 12345;
+  std::vector<T> full, pad;
+  std::vector<int64_t> full_offset, pad_offset;
+  if (c.masks) {
+    make_masks(c, full, pad);
+    for (int64_t n = 0; n < c.N; ++n) full_offset.push_back(n * c.L * c.S), pad_offset.push_back(n * c.S);
+    cfg.masks.push_back({full.data(), full_offset.data(), 0, c.S, 1});  // (N, 1, L, S)
+    cfg.masks.push_back({pad.data(), pad_offset.data(), 0, 0, 1});      // (N, 1, 1, S): key padding
+  }
+
+  // The kernels' results at a given thread count (the OpenMP path and the plain loop must agree bitwise).
+  struct Got {
+    std::vector<T> out, lse, dq, dk, dv;
+  };
+  const auto run = [&](int threads) {
+    set_thread_count(threads);
+    Got g{std::vector<T>(lo.size()), std::vector<T>(size_t(c.N * c.Hq * c.L)), dq0, dk0, dv0};
+    const auto& K = table<T>();
+    K.sdpa_forward(lo.view(g.out.data()), g.lse.data(), lq.view(q.data()), lk.view(k.data()), lv.view(v.data()),
+                   cfg);
+    K.sdpa_backward(lq.view(g.dq.data()), lk.view(g.dk.data()), lv.view(g.dv.data()), lo.view(dout.data()),
+                    lo.view<const T>(g.out.data()), g.lse.data(), lq.view(q.data()), lk.view(k.data()),
+                    lv.view(v.data()), cfg);
+    return g;
+  };
+  const Got g = run(std::max(2, omp_get_max_threads()));
+  const Reference R = reference(c, cfg, lq, lk, lv, lo, q, k, v, dout, dq0, dk0, dv0);
+  const std::string tag = std::string("sdpa ") + c.name + " " + dtype_name<T>() + " ";
+  check(tag + "out", g.out, R.out);
+  check(tag + "logsumexp", g.lse, R.lse);
+  check(tag + "dq", g.dq, R.dq);
+  check(tag + "dk", g.dk, R.dk);
+  check(tag + "dv", g.dv, R.dv);
+  const Got one = run(1);
+  check_true(tag + "1 thread == " + std::to_string(std::max(2, omp_get_max_threads())) + " threads, bitwise",
+             one.out == g.out && one.lse == g.lse && one.dq == g.dq && one.dk == g.dk && one.dv == g.dv);
+}
+
+// --------------------------------------------------------------------------------------------------- linear
+template <typename T>
+void test_linear(int64_t M, int64_t Fin, int64_t Fout, bool bias, bool need_dx) {
+  const auto x = uniform<T>(size_t(M * Fin), 11), w = uniform<T>(size_t(Fout * Fin), 12),
+             b = uniform<T>(size_t(Fout), 13), dy = uniform<T>(size_t(M * Fout), 14);
+  auto dx = uniform<T>(size_t(M * Fin), 15), dw = uniform<T>(size_t(Fout * Fin), 16), db = uniform<T>(size_t(Fout), 17);
+  std::vector<double> y_ref(size_t(M * Fout)), dx_ref = widen(dx), dw_ref = widen(dw), db_ref = widen(db);
+  for (int64_t r = 0; r < M; ++r)
+    for (int64_t o = 0; o < Fout; ++o) {
+      double acc = bias ? double(b[o]) : 0;
+      for (int64_t f = 0; f < Fin; ++f) {
+        acc += double(x[r * Fin + f]) * double(w[o * Fin + f]);
+        dx_ref[r * Fin + f] += double(dy[r * Fout + o]) * double(w[o * Fin + f]);
+        dw_ref[o * Fin + f] += double(dy[r * Fout + o]) * double(x[r * Fin + f]);
+      }
+      y_ref[r * Fout + o] = acc;
+      db_ref[o] += double(dy[r * Fout + o]);
+    }
+  std::vector<T> y(size_t(M * Fout));
+  table<T>().linear_forward(y.data(), x.data(), w.data(), bias ? b.data() : nullptr, M, Fin, Fout);
+  const auto dx0 = dx, db0 = db;
+  table<T>().linear_backward(need_dx ? dx.data() : nullptr, dw.data(), bias ? db.data() : nullptr, dy.data(), x.data(),
+                             w.data(), M, Fin, Fout);
+  char tag[96];
+  std::snprintf(tag, sizeof tag, "linear M=%lld Fin=%lld Fout=%lld%s%s %s ", (long long)M, (long long)Fin,
+                (long long)Fout, bias ? "" : " no-bias", need_dx ? "" : " no-dx", dtype_name<T>());
+  check(std::string(tag) + "y", y, y_ref);
+  check(std::string(tag) + "dw", dw, dw_ref);
+  if (need_dx) check(std::string(tag) + "dx", dx, dx_ref);
+  else check_true(std::string(tag) + "dx=nullptr left alone", dx == dx0);
+  if (bias) check(std::string(tag) + "db", db, db_ref);
+  else check_true(std::string(tag) + "db=nullptr left alone", db == db0);
+}
+
+template <typename T>
+void test_all() {
+  const Case cases[] = {
+      // name                          N  Hq Hk  L    S    D   Dv
+      {"plain L!=S D!=Dv",             2, 4, 4, 70, 133, 24, 40},
+      {"exact blocks",                 1, 2, 2, 64, 256, 16, 16},
+      {"GQA causal top_left",          2, 4, 2, 70, 133, 24, 40, Causal::top_left},
+      {"GQA bottom_right L<S interl.", 2, 4, 2, 70, 133, 24, 40, Causal::bottom_right, false, 0, true},
+      {"bottom_right L>S (rows masked)", 1, 2, 1, 150, 70, 8, 12, Causal::bottom_right},
+      {"float masks, masked row",      2, 4, 2, 70, 133, 24, 40, Causal::none, true},
+      {"dropout 0.3 causal masks",     2, 4, 2, 70, 133, 24, 40, Causal::top_left, true, 0.3},
+      {"tiny L=S=D=Dv=1",              1, 1, 1, 1, 1, 1, 1},
+  };
+  for (const auto& c : cases) test_sdpa<T>(c);
+  test_linear<T>(37, 50, 3, true, true);    // narrow output: dot products
+  test_linear<T>(37, 3, 50, true, true);    // narrow input: the backward's transposed path
+  test_linear<T>(130, 70, 90, true, true);  // wide: the tiled gemm
+  test_linear<T>(130, 70, 90, false, false);
+}
+
+int main() {
+  std::printf("attnpp kernels of level %s, %d OpenMP threads available\n", STR(ATTNPP_CPU_NS), omp_get_max_threads());
+  test_all<float>();
+  test_all<double>();
+  std::printf("%d passed, %d failed\n", passed, failed);
+  return failed ? 1 : 0;
+}

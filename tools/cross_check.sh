@@ -1,0 +1,140 @@
+#!/usr/bin/env bash
+# attnpp's kernels on CPUs other than this one: every CPU level that CMakeLists.txt builds, checked against naive
+# references, on aarch64 and on an x86-64 without AVX (both emulated by qemu-user).
+#
+#   tools/cross_check.sh
+#
+#   a. tests/cpp/test_kernels.cpp + the kernel sources, cross-compiled for aarch64 (its one level, "default":
+#      the baseline, NEON), run under qemu-aarch64.
+#   b. the same test built natively once per x86-64 level (default -march=x86-64, avx2 -march=x86-64-v3,
+#      avx512 -march=x86-64-v4, each in its namespace cpu_<level>), each run if this CPU has the level; the
+#      default level's binary also under qemu-x86_64 -cpu Nehalem (SSE4.2, no AVX).
+#   c. the INSTALLED attnpp package (pip install . first; this script never installs it) under
+#      qemu-x86_64 -cpu Nehalem: tools/nehalem_check.py.
+#
+# Environment:
+#   PYTHON=python   interpreter whose Eigen (cmeel-eigen) and attnpp are used; its real executable is what runs
+#                   under qemu (pyenv's `python` is a shell shim, which qemu cannot run)
+#   KEEP=1          keep the temporary directory (binaries, build and run logs) even when everything passed
+#
+# Installs only what is missing: the Debian packages qemu-user and g++-aarch64-linux-gnu, and cmeel-eigen (pip).
+# Takes about 2 minutes on 2 cores, most of it compiling (4 builds of the kernels, ~30 s of one core each).
+# Exit status: 0 only if every part that ran passed (a level this CPU lacks is skipped with a note).
+set -euo pipefail
+start=$SECONDS
+repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+cd "$repo"
+
+PY=$("${PYTHON:-python}" -c 'import sys; print(sys.executable)') || { echo "cross_check.sh: no python" >&2; exit 2; }
+work=$(mktemp -d "${TMPDIR:-/tmp}/attnpp-cross.XXXXXX")
+results=()  # one line per part: PASS/FAIL/SKIP, what, its test summary
+n_pass=0 n_fail=0 n_skip=0
+record() {  # record STATUS WHAT DETAIL
+    results+=("$(printf '%-4s %-49s %s' "$1" "$2" "$3")")
+    case $1 in PASS) n_pass=$((n_pass + 1)) ;; FAIL) n_fail=$((n_fail + 1)) ;; *) n_skip=$((n_skip + 1)) ;; esac
+}
+
+# ---- tools (only what is absent) ------------------------------------------------------------------------------
+apt=()
+command -v qemu-aarch64 >/dev/null && command -v qemu-x86_64 >/dev/null || apt+=(qemu-user)
+command -v aarch64-linux-gnu-g++ >/dev/null || apt+=(g++-aarch64-linux-gnu)
+if [[ ${#apt[@]} -gt 0 ]]; then
+    echo "cross_check.sh: installing ${apt[*]}"
+    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${apt[@]}" >/dev/null
+fi
+# Eigen's headers from the cmeel-eigen wheel, as CMakeLists.txt finds them (`python -m cmeel cmake` = its prefix).
+eigen_dir() {
+    local p
+    p=$("$PY" -m cmeel cmake 2>/dev/null) && [[ -f $p/include/eigen3/Eigen/Dense ]] && echo "$p/include/eigen3"
+}
+eigen=$(eigen_dir) || { "$PY" -m pip install -q cmeel-eigen && eigen=$(eigen_dir); } \
+    || { echo "cross_check.sh: no Eigen (cmeel-eigen)" >&2; exit 2; }
+
+# ---- builds: all four at once in the background (each compiles its eight files one by one) ----------------------
+# The flags of CMakeLists.txt's kernels (ATTNPP_FLAGS, ATTNPP_DEFINITIONS) plus the level's -march. No dispatch.cpp:
+# the test defines thread_count() itself (dispatch.cpp's level table needs the default level linked in too).
+sources=(tests/cpp/test_kernels.cpp cpp/attention.cpp cpp/linear.cpp cpp/dropout.cpp cpp/embedding.cpp
+         cpp/cross_entropy.cpp cpp/optim.cpp cpp/kernels.cpp)
+flags=(-O3 -fno-math-errno -fopenmp -std=c++17 -DEIGEN_GEMM_TO_COEFFBASED_THRESHOLD=0 -Icpp -I"$eigen")
+declare -A pid
+build() {  # build NAME COMPILER FLAGS...: the binary $work/NAME, its compiler output in $work/NAME.build.log
+    local name=$1 cxx=$2; shift 2
+    "$cxx" "${flags[@]}" "$@" "${sources[@]}" -o "$work/$name" >"$work/$name.build.log" 2>&1 &
+    pid[$name]=$!
+}
+echo "cross_check.sh: building the test 4 times (aarch64, x86-64 default/avx2/avx512) in $work"
+build aarch64 aarch64-linux-gnu-g++ -DATTNPP_CPU_NS=cpu_default  # no -march: the aarch64 baseline has NEON
+build default g++ -march=x86-64 -DATTNPP_CPU_NS=cpu_default
+build avx2 g++ -march=x86-64-v3 -DATTNPP_CPU_NS=cpu_avx2
+build avx512 g++ -march=x86-64-v4 -DATTNPP_CPU_NS=cpu_avx512
+# Which levels this CPU runs: dispatch.cpp's own test (GCC's x86-64-v3/v4 = exactly those -march's features).
+g++ -x c++ - -o "$work/cpu_has" <<'EOF'
+#include <cstring>
+int main(int, char** argv) {  // cpu_has avx2|avx512: exit 0 if this CPU runs that level
+  __builtin_cpu_init();
+  const bool avx2 = std::strcmp(argv[1], "avx2") == 0;
+  return !(avx2 ? __builtin_cpu_supports("x86-64-v3") : __builtin_cpu_supports("x86-64-v4"));
+}
+EOF
+for name in aarch64 default avx2 avx512; do
+    wait "${pid[$name]}" && echo "cross_check.sh: built $name ($((SECONDS - start))s)" \
+        || { echo "cross_check.sh: build $name FAILED:"; grep -E "error|Error" "$work/$name.build.log" | head -20; }
+done
+
+# ---- runs ----------------------------------------------------------------------------------------------------------
+# run WHAT LOG COMMAND...: the command's output to LOG; its FAIL lines and closing "N passed, N failed" shown.
+run() {
+    local what=$1 log=$2; shift 2
+    local t0=$SECONDS status=0
+    "$@" >"$log" 2>&1 || status=$?
+    local summary
+    summary=$(grep -E '^[0-9]+ passed, [0-9]+ failed' "$log" | tail -n1) || summary="no summary line"
+    grep -E '^FAIL' "$log" | head -20 | sed "s/^/    $what: /" || true
+    if [[ $status -eq 0 ]]; then record PASS "$what" "$summary ($((SECONDS - t0))s)"
+    else record FAIL "$what" "$summary, exit $status ($((SECONDS - t0))s; log $log)"; fi
+    [[ $summary != "no summary line" ]] || tail -n5 "$log" | sed 's/^/    /'  # a crash: its last words
+    echo "cross_check.sh: ${results[-1]}"
+}
+built() {  # built NAME WHAT: whether $work/NAME exists; if not, WHAT fails
+    [[ -x $work/$1 ]] && return
+    record FAIL "$2" "not built (see $work/$1.build.log)"
+    echo "cross_check.sh: ${results[-1]}"
+    false
+}
+
+# a. aarch64 under emulation, with the cross toolchain's libraries as its root (-L)
+what="a. aarch64 default (qemu-aarch64)"
+built aarch64 "$what" && run "$what" "$work/aarch64.log" qemu-aarch64 -L /usr/aarch64-linux-gnu "$work/aarch64"
+
+# b. each x86-64 level natively, if this CPU has it; the baseline under an emulated Nehalem too
+for level in default avx2 avx512; do
+    what="b. x86-64 $level (native)"
+    built "$level" "$what" || continue
+    if [[ $level == default ]] || "$work/cpu_has" "$level"; then
+        run "$what" "$work/$level.log" "$work/$level"
+    else
+        record SKIP "$what" "this CPU lacks $level"; echo "cross_check.sh: ${results[-1]}"
+    fi
+done
+what="b. x86-64 default (qemu-x86_64 -cpu Nehalem)"
+built default "$what" && run "$what" "$work/nehalem.log" qemu-x86_64 -cpu Nehalem "$work/default"
+
+# c. the installed package on a Nehalem. nehalem_check.py starts its child (the forced level) with NEHALEM_QEMU:
+#    qemu-user hands a guest's execve to the host, so a plain child would run natively.
+export NEHALEM_QEMU="qemu-x86_64 -cpu Nehalem"
+if (cd "$work" && "$PY" -c 'import attnpp' 2>/dev/null); then
+    run "c. installed attnpp (qemu-x86_64 -cpu Nehalem)" "$work/python.log" \
+        env -u ATTNPP_CPU_CAPABILITY qemu-x86_64 -cpu Nehalem "$PY" tools/nehalem_check.py
+else
+    record FAIL "c. installed attnpp (qemu-x86_64 -cpu Nehalem)" "attnpp not importable by $PY (pip install . first)"
+    echo "cross_check.sh: ${results[-1]}"
+fi
+
+# ---- summary -------------------------------------------------------------------------------------------------------
+t=$((SECONDS - start))
+echo "cross_check.sh: ================ summary ($((t / 60))m$((t % 60))s)"
+printf 'cross_check.sh: %s\n' "${results[@]}"
+echo "cross_check.sh: $n_pass passed, $n_fail failed, $n_skip skipped"
+if [[ $n_fail -eq 0 && -z ${KEEP:-} ]]; then rm -rf "$work"
+else echo "cross_check.sh: binaries and logs kept in $work"; fi
+[[ $n_fail -eq 0 ]]
