@@ -1,8 +1,8 @@
 // Scaled dot-product attention, FlashAttention-2 style (Dao, 2023, arXiv:2307.08691): memory grows with L, not
 // L * S. The forward walks key blocks with an online softmax and saves only out and logsumexp; the backward
-// recomputes each block of weights from logsumexp. Every product is a `gemm` on blocks that stay in cache; each
-// block of K (and in the backward of V) is transposed into a per-thread buffer first, so that the products with
-// K^T and V^T read short contiguous rows: the temporaries are a few blocks per thread, whatever L and S.
+// recomputes each block of weights from logsumexp. Every product is a `gemm` on blocks that stay in cache, its B
+// operand (a block of K^T, V, V^T, K, Q or dO) packed in a per-thread buffer first (gemm.hpp): the temporaries
+// are a few blocks per thread, whatever L and S.
 #include "attention.hpp"
 
 #include <algorithm>
@@ -20,25 +20,24 @@ constexpr int64_t kBlockS = 128;    // keys per block
 // flash attention for long sequences: 4%).
 constexpr int64_t kForwardL = 256;
 
-// t (cols, rows) = rows [j0, j0 + rows) of head (n, h) of a, transposed: the B operand of a product with K^T
-// or V^T, one key block of it.
+// Packs rows [r0, r0 + rows) of head (n, h) of a (rows, cols), or their transpose (cols, rows).
 template <typename T>
-void transpose_block(RowMat<T>& t, const View4<const T>& a, int64_t n, int64_t h, int64_t j0, int64_t rows,
-                     int64_t cols) {
-  t.resize(cols, rows);
-  const T* src = a.at(n, h, j0);
-  for (int64_t c = 0; c < cols; ++c)  // (contiguous writes; the strided reads come from cache)
-    for (int64_t r = 0; r < rows; ++r) t(c, r) = src[r * a.row + c];
+void pack_block(PackedB<T>& b, const View4<const T>& a, int64_t n, int64_t h, int64_t r0, int64_t rows,
+                int64_t cols, bool transposed) {
+  if (transposed)
+    b.pack(a.at(n, h, r0), 1, a.row, cols, rows);
+  else
+    b.pack(a.at(n, h, r0), a.row, 1, rows, cols);
 }
 
 // scores (rows, cols) = scale * q_blk k_blk^T + masks, with -inf above the causal diagonal; q_blk (rows, D) with
-// row stride ldq, kt = k_blk^T (D, >= cols) of the key block starting at j0. Returns false when every score is
-// -inf.
+// row stride ldq, kt = k_blk^T (D, >= cols) of the key block starting at j0, packed. Returns false when every
+// score is -inf.
 template <typename T>
-bool score_block(RowMat<T>& scores, const T* q_blk, int64_t ldq, const RowMat<T>& kt, int64_t rows, int64_t cols,
+bool score_block(RowMat<T>& scores, const T* q_blk, int64_t ldq, const PackedB<T>& kt, int64_t rows, int64_t cols,
                  const AttnConfig<T>& cfg, int64_t n, int64_t h, int64_t i0, int64_t j0) {
   scores.resize(rows, cols);
-  gemm(scores.data(), cols, q_blk, ldq, int64_t(1), kt.data(), kt.cols(), rows, cols, cfg.D, cfg.scale, false);
+  gemm(scores.data(), cols, q_blk, ldq, int64_t(1), kt, rows, cols, cfg.D, cfg.scale, false);
   for (const auto& m : cfg.masks)
     for (int64_t r = 0; r < rows; ++r)
       for (int64_t c = 0; c < cols; ++c) scores(r, c) += m.at(n, h, i0 + r, j0 + c);
@@ -152,7 +151,8 @@ void sdpa_forward(const View4<T>& out, T* logsumexp, const View4<const T>& q, co
       cfg.N * cfg.Hq * q_blocks, cfg.work(),
       [&](int64_t task) {
         const int64_t n = task / (cfg.Hq * q_blocks), h = task / q_blocks % cfg.Hq, qb = task % q_blocks;
-        thread_local RowMat<T> kt, s_blk, acc;  // (D, Bc) k_blk^T; (Br, Bc) scores then weights; (Br, Dv) output
+        thread_local PackedB<T> kt, vb;        // (D, Bc) k_blk^T, (Bc, Dv) v_blk
+        thread_local RowMat<T> s_blk, acc;      // (Br, Bc) scores then weights; (Br, Dv) output
         thread_local Eigen::Matrix<T, Eigen::Dynamic, 1> m, l;  // (Br) running max and running sum
         const int64_t hk = h / cfg.group(), i0 = qb * kForwardL, rows = std::min(kForwardL, cfg.L - i0);
         acc.setZero(rows, cfg.Dv);
@@ -161,7 +161,7 @@ void sdpa_forward(const View4<T>& out, T* logsumexp, const View4<const T>& q, co
         const int64_t k_blocks = key_blocks_for(cfg, i0, rows);
         for (int64_t kb = 0; kb < k_blocks; ++kb) {
           const int64_t j0 = kb * kBlockS, cols = visible_cols(cfg, i0, rows, j0);
-          transpose_block(kt, k, n, hk, j0, cols, cfg.D);
+          pack_block(kt, k, n, hk, j0, cols, cfg.D, true);
           if (!score_block(s_blk, q.at(n, h, i0), q.row, kt, rows, cols, cfg, n, h, i0, j0)) continue;
           for (int64_t r = 0; r < rows; ++r) {
             // the new running max; NaN once a score is NaN, so that the row comes out NaN as in PyTorch
@@ -178,8 +178,8 @@ void sdpa_forward(const View4<T>& out, T* logsumexp, const View4<const T>& q, co
           }
           if (cfg.dropout_p > 0) apply_dropout(s_blk, cfg, n, h, i0, j0);
           // acc += p v_blk
-          gemm(acc.data(), cfg.Dv, s_blk.data(), cols, int64_t(1), v.at(n, hk, j0), v.row, rows, cfg.Dv, cols,
-               T(1), true);
+          pack_block(vb, v, n, hk, j0, cols, cfg.Dv, false);
+          gemm(acc.data(), cfg.Dv, s_blk.data(), cols, int64_t(1), vb, rows, cfg.Dv, cols, T(1), true);
         }
         auto o_blk = MapRows<T>(out.at(n, h, i0), rows, cfg.Dv, Eigen::OuterStride<>(out.row));
         T* lse = logsumexp + (n * cfg.Hq + h) * cfg.L + i0;
@@ -219,11 +219,13 @@ void sdpa_backward(const View4<T>& dq, const View4<T>& dk, const View4<T>& dv, c
       cfg.N * cfg.Hk, cfg.work(),
       [&](int64_t task) {
         const int64_t n = task / cfg.Hk, hk = task % cfg.Hk;
-        thread_local RowMat<T> kt, vt, p_blk, dp_blk, pd_blk;  // (D, Bc) k_blk^T, (Dv, Bc) v_blk^T; (Br, Bc)
+        thread_local PackedB<T> kt, vt, kp, qp, dop;  // k_blk^T, v_blk^T, k_blk; q_blk, dout_blk
+        thread_local RowMat<T> p_blk, dp_blk, pd_blk;   // (Br, Bc)
         for (int64_t kb = 0; kb < k_blocks; ++kb) {
           const int64_t j0 = kb * kBlockS, width = std::min(kBlockS, cfg.S - j0);
-          transpose_block(kt, k, n, hk, j0, width, cfg.D);
-          transpose_block(vt, v, n, hk, j0, width, cfg.Dv);
+          pack_block(kt, k, n, hk, j0, width, cfg.D, true);
+          pack_block(vt, v, n, hk, j0, width, cfg.Dv, true);
+          pack_block(kp, k, n, hk, j0, width, cfg.D, false);
           for (int64_t h = hk * cfg.group(); h < (hk + 1) * cfg.group(); ++h)
             for (int64_t qb = 0; qb < q_blocks; ++qb) {
               const int64_t i0 = qb * kBlockL, rows = std::min(kBlockL, cfg.L - i0);
@@ -238,8 +240,7 @@ void sdpa_backward(const View4<T>& dq, const View4<T>& dk, const View4<T>& dv, c
               probs_from_lse(p_blk, lse);
               // dp_dropped = dout v^T            <- out = p_dropped v
               dp_blk.resize(rows, cols);
-              gemm(dp_blk.data(), cols, do_blk, dout.row, int64_t(1), vt.data(), width, rows, cols, cfg.Dv, T(1),
-                   false);
+              gemm(dp_blk.data(), cols, do_blk, dout.row, int64_t(1), vt, rows, cols, cfg.Dv, T(1), false);
               const RowMat<T>* p_used = &p_blk;  // the weights that multiplied v in the forward
               if (cfg.dropout_p > 0) {
                 pd_blk = p_blk;
@@ -248,15 +249,14 @@ void sdpa_backward(const View4<T>& dq, const View4<T>& dk, const View4<T>& dv, c
                 p_used = &pd_blk;
               }
               // dv += p_used^T dout
-              gemm(dv.at(n, hk, j0), dv.row, p_used->data(), int64_t(1), cols, do_blk, dout.row, cols, cfg.Dv, rows,
-                   T(1), true);
+              pack_block(dop, dout, n, h, i0, rows, cfg.Dv, false);
+              gemm(dv.at(n, hk, j0), dv.row, p_used->data(), int64_t(1), cols, dop, cols, cfg.Dv, rows, T(1), true);
               // ds = p * (dp - delta)            <- p = softmax(s)
               for (int64_t r = 0; r < rows; ++r) p_blk.row(r).array() *= dp_blk.row(r).array() - dlt[r];
               // dq += scale * ds k;  dk += scale * ds^T q   <- s = scale * q k^T
-              gemm(dq.at(n, h, i0), dq.row, p_blk.data(), cols, int64_t(1), k.at(n, hk, j0), k.row, rows, cfg.D,
-                   cols, cfg.scale, true);
-              gemm(dk.at(n, hk, j0), dk.row, p_blk.data(), int64_t(1), cols, q_blk, q.row, cols, cfg.D, rows,
-                   cfg.scale, true);
+              gemm(dq.at(n, h, i0), dq.row, p_blk.data(), cols, int64_t(1), kp, rows, cfg.D, cols, cfg.scale, true);
+              pack_block(qp, q, n, h, i0, rows, cfg.D, false);
+              gemm(dk.at(n, hk, j0), dk.row, p_blk.data(), int64_t(1), cols, qp, cols, cfg.D, rows, cfg.scale, true);
             }
         }
       },
@@ -272,7 +272,8 @@ void sdpa_weights(T* weights, const T* logsumexp, const View4<const T>& q, const
       cfg.N * heads_out * q_blocks, cfg.work(),
       [&](int64_t task) {
         const int64_t n = task / (heads_out * q_blocks), ho = task / q_blocks % heads_out, qb = task % q_blocks;
-        thread_local RowMat<T> kt, p_blk;  // (D, Bc) k_blk^T; (Br, Bc) weights
+        thread_local PackedB<T> kt;     // (D, Bc) k_blk^T
+        thread_local RowMat<T> p_blk;   // (Br, Bc) weights
         const int64_t i0 = qb * kForwardL, rows = std::min(kForwardL, cfg.L - i0);
         // one head, or all of them summed in order (then divided by Hq, as PyTorch's mean over heads)
         const int64_t h_begin = average_heads ? 0 : ho, h_end = average_heads ? cfg.Hq : ho + 1;
@@ -281,7 +282,7 @@ void sdpa_weights(T* weights, const T* logsumexp, const View4<const T>& q, const
           auto w = MapRows<T>(weights + ((n * heads_out + ho) * cfg.L + i0) * cfg.S + j0, rows, cols,
                               Eigen::OuterStride<>(cfg.S));
           for (int64_t h = h_begin; h < h_end; ++h) {
-            transpose_block(kt, k, n, h / cfg.group(), j0, cols, cfg.D);
+            pack_block(kt, k, n, h / cfg.group(), j0, cols, cfg.D, true);
             score_block(p_blk, q.at(n, h, i0), q.row, kt, rows, cols, cfg, n, h, i0, j0);
             probs_from_lse(p_blk, logsumexp + (n * cfg.Hq + h) * cfg.L + i0);
             if (cfg.dropout_p > 0) apply_dropout(p_blk, cfg, n, h, i0, j0);

@@ -19,9 +19,8 @@ template <typename T>
 void linear_forward(T* y, const T* x, const T* w, const T* b, int64_t M, int64_t Fin, int64_t Fout) {
   if (narrow<T>(Fout)) {  // y[i, j] = x[i, :] . w[j, :]
     dot_products(y, x, Fin, w, Fin, M, Fout, Fin, false);
-  } else {  // y = x w^T with w^T's rows contiguous: Fin * Fout copies against M * Fin * Fout multiply-adds
-    const auto wt = transpose(w, Fout, Fin);
-    gemm_parallel(y, Fout, x, Fin, int64_t(1), wt.get(), Fout, M, Fout, Fin, T(1), false);
+  } else {  // y = x w^T (w^T: element (f, o) at w[o * Fin + f])
+    gemm_parallel(y, Fout, x, Fin, int64_t(1), w, int64_t(1), Fin, M, Fout, Fin, T(1), false);
   }
   if (b)
     for (int64_t r = 0; r < M; ++r)
@@ -39,14 +38,14 @@ void linear_backward(T* dx, T* dw, T* db, const T* dy, const T* x, const T* w, i
     }
     // dw^T = x^T dy (Fin, Fout), wide, then dw += (dw^T)^T
     std::unique_ptr<T[]> dwt(new T[Fin * Fout]);
-    gemm_parallel(dwt.get(), Fout, x, int64_t(1), Fin, dy, Fout, Fin, Fout, M, T(1), false);
+    gemm_parallel(dwt.get(), Fout, x, int64_t(1), Fin, dy, Fout, int64_t(1), Fin, Fout, M, T(1), false);
     for (int64_t o = 0; o < Fout; ++o)
       for (int64_t f = 0; f < Fin; ++f) dw[o * Fin + f] += dwt[f * Fout + o];
   } else {
     // dx += dy w                            <- y = x w^T
-    if (dx) gemm_parallel(dx, Fin, dy, Fout, int64_t(1), w, Fin, M, Fin, Fout, T(1), true);
+    if (dx) gemm_parallel(dx, Fin, dy, Fout, int64_t(1), w, Fin, int64_t(1), M, Fin, Fout, T(1), true);
     // dw += dy^T x                          <- y = x w^T
-    gemm_parallel(dw, Fin, dy, int64_t(1), Fout, x, Fin, Fout, Fin, M, T(1), true);
+    gemm_parallel(dw, Fin, dy, int64_t(1), Fout, x, Fin, int64_t(1), Fout, Fin, M, T(1), true);
   }
   // db += sum over rows of dy               <- y += b
   // (a plain loop: Eigen's reductions over unaligned maps change order with the buffer's alignment)
