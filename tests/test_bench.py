@@ -1,27 +1,151 @@
-"""The benchmark's quick mode runs every case kind and prints a ratio for each (no timing is asserted)."""
+"""The benchmark's quick mode runs every case kind and prints a ratio for each, the CPU level of each library and
+the sgemm line (no timing is asserted, only that the figures are there and agree with each other); --capability
+reruns it in a child process at a forced level."""
+import os
 import re
+import shutil
+import site
 import subprocess
 import sys
 
+import numpy as np
+import pytest
+import torch
+
+import attnpp
+
 BENCH = [sys.executable, "-m", "attnpp.bench", "--quick"]
 RATIO = re.compile(r"^\d+\.\d+ \[\d+\.\d+-\d+\.\d+\]$")  # median [first quartile-third quartile]
+LEVEL = re.compile(r"^CPU level: attnpp (\S+), PyTorch (\S+)(.*)$", re.MULTILINE)
+NUMBER = r"(\d+\.\d)"
+SGEMM = re.compile(rf"^sgemm float32 (\d+)x\1 @ \1x\1 on (\d+) threads \(median of \d+\): PyTorch {NUMBER} GFLOP/s, "
+                   rf"NumPy {NUMBER} GFLOP/s \((.*?)\) \| attnpp sdpa fwd over (\d+) cases: best {NUMBER} GFLOP/s = "
+                   rf"(\d+)% of PyTorch's sgemm, median {NUMBER} GFLOP/s = (\d+)% \(the issue's target: >= 70%\)$",
+                   re.MULTILINE)
 
 
-def run(*args):
-    return subprocess.run(BENCH + list(args), capture_output=True, text=True, timeout=600)
+def run(*args, bench=BENCH, **kwargs):
+    return subprocess.run(bench + list(args), capture_output=True, text=True, timeout=600, **kwargs)
 
 
-def test_quick_run_prints_a_ratio_for_every_case():
+def table_rows(stdout):
+    """Table rows by case name: cells separated by two or more spaces, the name first, the ratio fourth, attnpp's
+    GFLOP/s fifth."""
+    return {cells[0]: cells for cells in (re.split(r"\s{2,}", line.strip()) for line in stdout.splitlines())}
+
+
+@pytest.fixture(scope="module")
+def quick():
+    """One --quick run (its stdout), shared by the tests that read it."""
+    result = run()
+    assert result.returncode == 0, result.stderr
+    return result.stdout
+
+
+def test_quick_run_prints_a_ratio_for_every_case(quick):
     listed = run("--list")
     assert listed.returncode == 0, listed.stderr
     names = listed.stdout.splitlines()
     assert any(n.startswith("memory") for n in names) and any("training" in n for n in names)
 
-    result = run()
-    assert result.returncode == 0, result.stderr
-    # table rows: cells separated by two or more spaces, the case name first, the ratio fourth
-    rows = {cells[0]: cells for cells in (re.split(r"\s{2,}", line.strip()) for line in result.stdout.splitlines())}
+    rows = table_rows(quick)
     for name in names:
-        assert name in rows, f"no row for {name!r} in:\n{result.stdout}"
+        assert name in rows, f"no row for {name!r} in:\n{quick}"
         assert RATIO.match(rows[name][3]), f"no ratio in the row of {name!r}: {rows[name]}"
-    assert re.search(r"attnpp temporaries -?\d+\.\d+ MiB|n/a", result.stdout)
+    assert re.search(r"attnpp temporaries -?\d+\.\d+ MiB|n/a", quick)
+
+
+def test_header_names_the_cpu_level_of_each_library(quick):
+    # the benchmark's child imports the same attnpp and PyTorch in the same environment: same levels as here
+    levels = LEVEL.findall(quick)
+    assert len(levels) == 1, quick
+    assert levels[0][:2] == (attnpp.cpu_capability(), torch.backends.cpu.get_cpu_capability())
+    assert levels[0][0] in ("default", "avx2", "avx512")
+
+
+def test_sgemm_line_sets_the_attention_forward_against_the_sgemm_rate(quick):
+    found = SGEMM.search(quick)
+    assert found, f"no sgemm line in:\n{quick}"
+    n, threads, torch_rate, numpy_rate, numpy_threads, cases, best, best_pct, median, median_pct = found.groups()
+    assert int(n) == 256  # --quick: 256^3, not 2048^3
+    assert int(threads) == os.cpu_count()  # the run's threads (--threads defaults to all cores)
+    assert float(torch_rate) > 0 and float(numpy_rate) > 0
+    try:
+        import threadpoolctl  # noqa: F401
+        assert numpy_threads == f"NumPy's BLAS on {threads} threads"
+    except ImportError:
+        assert "default threads" in numpy_threads and "threadpoolctl" in numpy_threads
+
+    # best and median: over the table's own figures for the forward kernel cases (not fwd+bwd, not memory)
+    rows = table_rows(quick)
+    forward = [cells[4] for name, cells in rows.items() if name.startswith("sdpa fwd ")]
+    assert int(cases) == len(forward) == 2
+    assert best == max(forward, key=float)
+    assert abs(float(median) - np.median([float(g) for g in forward])) <= 0.101  # both rounded to 0.1
+    # the shares: of PyTorch's rate, in percent (from unrounded figures, so within one point of the printed ones)
+    for gflops, pct in ((best, best_pct), (median, median_pct)):
+        assert abs(int(pct) - 100 * float(gflops) / float(torch_rate)) <= 1 + 100 * 0.05 / float(torch_rate)
+
+
+def test_sgemm_line_figures():
+    # known figures: forward cases at 10, 20 and 40 GFLOP/s; a fwd+bwd case at 100 that must not count
+    from attnpp import bench
+
+    def result(name, gflops, vs_sgemm):
+        case = bench.Case(name, build=None, flops=gflops * 1e9, vs_sgemm=vs_sgemm)
+        return bench.Result(case, times=([1.0, 1.0, 1.0], [2.0, 2.0, 2.0]), calls=(1, 1), memory=(None, None))
+
+    results = [result("fwd a", 10, True), result("fwd b", 40, True), result("fwd+bwd", 100, False),
+               result("fwd c", 20, True)]
+    line = bench.sgemm_line(results, 2048, {"PyTorch": 50.0, "NumPy": 80.0}, "NumPy's note")
+    assert line.startswith(f"sgemm float32 2048x2048 @ 2048x2048 on {torch.get_num_threads()} threads (median of 5): "
+                           "PyTorch 50.0 GFLOP/s, NumPy 80.0 GFLOP/s (NumPy's note) | ")
+    assert line.endswith("attnpp sdpa fwd over 3 cases: best 40.0 GFLOP/s = 80% of PyTorch's sgemm, median 20.0 "
+                         "GFLOP/s = 40% (the issue's target: >= 70%)")
+    assert SGEMM.search(line)
+    no_forward = bench.sgemm_line(results[2:3], 256, {"PyTorch": 50.0, "NumPy": 80.0}, "NumPy's note")
+    assert no_forward.endswith("| attnpp sdpa fwd: no such case in this run (see --cases)")
+
+
+def test_capability_runs_the_table_in_a_child_at_that_level():
+    # the other options are passed on: only the forward kernel cases, 2 repeats
+    selected = run("--list", "--cases", "^sdpa fwd ").stdout.splitlines()
+    assert len(selected) == 2, selected
+    result = run("--capability", "default", "--cases", "^sdpa fwd ", "--repeats", "2")
+    assert result.returncode == 0, result.stderr
+    levels = LEVEL.findall(result.stdout)
+    assert len(levels) == 1, result.stdout  # one header: the parent forwards the child's output, adds nothing
+    assert levels[0] == ("default", "DEFAULT", " (forced: ATTNPP_CPU_CAPABILITY=default, ATEN_CPU_CAPABILITY=default, "
+                                               "MKL_ENABLE_INSTRUCTIONS=SSE4_2)")
+    assert "repeats: 2 alternating pairs" in result.stdout
+    rows = table_rows(result.stdout)
+    for name in selected:
+        assert RATIO.match(rows[name][3]), f"no ratio in the row of {name!r}: {rows.get(name)}"
+    assert not any(n.startswith(("sdpa fwd+bwd", "memory", "Multihead", "article")) for n in rows), result.stdout
+    assert SGEMM.search(result.stdout), result.stdout
+
+
+def test_capability_forwards_the_childs_exit_status():
+    result = run("--capability", "default", "--cases", "no such case")
+    assert result.returncode == 1
+    assert "no case matches 'no such case'" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+@pytest.mark.skipif(shutil.which("qemu-x86_64") is None, reason="needs qemu-x86_64 to emulate a CPU without AVX")
+@pytest.mark.skipif("LD_PRELOAD" in os.environ, reason="a preloaded sanitizer runtime does not run under qemu-user")
+def test_capability_above_the_cpu_exits_with_the_import_error(tmp_path):
+    # The benchmark on an emulated Nehalem (no AVX), asked for avx2. qemu-user hands a guest's execve to the host,
+    # so the interpreter is a wrapper that sys.executable names (-0), and the benchmark's children run emulated too.
+    python = tmp_path / "python"
+    python.write_text(f'#!/bin/sh\nexec qemu-x86_64 -cpu Nehalem -0 "{python}" "{os.path.realpath(sys.executable)}" '
+                      '"$@"\n')
+    python.chmod(0o755)
+    # the wrapper is outside any prefix: name this interpreter's packages (a venv's site-packages) explicitly
+    path = os.pathsep.join(filter(None, [os.environ.get("PYTHONPATH"), *site.getsitepackages()]))
+    result = run("--capability", "avx2", bench=[str(python)] + BENCH[1:], env={**os.environ, "PYTHONPATH": path})
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert result.stderr.strip().splitlines()[-1] == (
+        "--capability avx2: ImportError: ATTNPP_CPU_CAPABILITY=avx2: this CPU cannot run the avx2 kernels; it "
+        "supports default"), result.stderr
+    assert "Traceback" not in result.stderr and result.stdout == ""

@@ -17,7 +17,15 @@ What it measures, all in float32, each case on both libraries with the same inpu
   ``MultiHeadAttention`` on (30, 50, 512), forward and forward + backward, in eval mode on both sides (their
   dropout is off, so both do the same work);
 - the training of article 001's ``HelloWorldModel`` on the six sentences: 10,000 AdamW steps (forward,
-  cross-entropy, backward, optimizer step, zero_grad).
+  cross-entropy, backward, optimizer step, zero_grad);
+- the distance to the limit: a float32 2048 x 2048 matrix product (sgemm) through ``torch.mm`` and ``np.matmul``,
+  timed in the same run on the same threads, next to the GFLOP/s of attnpp's attention forward (best and median
+  of the ``sdpa fwd`` cases) and its share of PyTorch's sgemm rate (the issue's target: at least 70%).
+
+The header names the CPU level of each library (``attnpp.cpu_capability()``, PyTorch's
+``torch.backends.cpu.get_cpu_capability()``). ``--capability avx2`` runs the whole benchmark in a child process with
+both libraries forced to that level (``ATTNPP_CPU_CAPABILITY``, ``ATEN_CPU_CAPABILITY`` and
+``MKL_ENABLE_INSTRUCTIONS``, all read at import), so that an AVX-512 host also measures the AVX2 (or baseline) path.
 
 How: one process; both libraries on the same thread count (``--threads``, default all cores). Each case warms
 each side up, then measures the memory of one call per side, then times attnpp and PyTorch alternately
@@ -31,12 +39,15 @@ resident set before one call, with the inputs already allocated: temporaries, ou
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ctypes
 import gc
 import math
 import os
 import platform
 import re
+import signal
+import subprocess
 import sys
 import time
 from dataclasses import dataclass
@@ -61,12 +72,24 @@ SIZES = {
     False: dict(kernel=[((1, 12, 1024, 64), False), ((1, 12, 1024, 64), True), ((8, 12, 256, 64), False),
                         ((8, 12, 256, 64), True), ((1, 12, 4096, 64), True)],
                 memory=(1, 12, 8192, 64), mha=(4, 512, 768, 12), article004=(30, 50, 512, 8),
-                steps=10000, repeats=10, min_sample=0.020),
+                steps=10000, repeats=10, min_sample=0.020, sgemm=2048),
     True: dict(kernel=[((1, 2, 64, 16), False), ((2, 2, 32, 16), True)],
                memory=(1, 2, 256, 16), mha=(2, 16, 32, 4), article004=(2, 10, 64, 8),
-               steps=9, repeats=3, min_sample=0.002),
+               steps=9, repeats=3, min_sample=0.002, sgemm=256),
 }
 MEMORY_PAIRS = 3  # the memory case takes seconds per call: 3 pairs are enough
+SGEMM_SAMPLES = 5  # the sgemm is one reference figure, not a comparison: the median of 5 is stable enough
+SGEMM_TARGET = 0.70  # the issue's target: attnpp's attention forward at >= 70% of the same run's sgemm GFLOP/s
+
+# --capability LEVEL: the environment that loads each library at that level. attnpp and PyTorch (ATen) share the
+# level names; MKL, which does PyTorch's matrix products, has its own names and would otherwise keep its own pick.
+MKL_INSTRUCTIONS = {"default": "SSE4_2", "avx2": "AVX2", "avx512": "AVX512"}
+CAPABILITY_VARS = ("ATTNPP_CPU_CAPABILITY", "ATEN_CPU_CAPABILITY", "MKL_ENABLE_INSTRUCTIONS")
+
+
+def capability_env(level):
+    """The environment variables that force ``level`` on attnpp, PyTorch and MKL (each reads its own at import)."""
+    return dict(zip(CAPABILITY_VARS, (level, level, MKL_INSTRUCTIONS[level])))
 
 
 # ----------------------------------------------------------------------------------------------- the articles
@@ -321,6 +344,7 @@ class Case:
     calls_per_sample: Optional[int] = None   # fixed (training chunks); None: calibrated to the minimum sample
     total: bool = False                  # show the time of all samples (the whole training), not the median call
     summary: Optional[Callable] = None   # Result -> a line printed under the table
+    vs_sgemm: bool = False               # an attention forward: its GFLOP/s are set against the sgemm rate
 
 
 def fmt_shape(shape):
@@ -358,7 +382,7 @@ def make_cases(quick, repeats):
         for shape, causal in size["kernel"]:
             cases.append(Case(f"sdpa {kind} {fmt_shape(shape)}{' causal' if causal else ''}",
                               lambda s=shape, c=causal, b=backward: kernel_calls(s, c, b),
-                              flops=kernel_flops(shape, causal, backward)))
+                              flops=kernel_flops(shape, causal, backward), vs_sgemm=not backward))
     mem = size["memory"]
     cases.append(Case(f"memory sdpa fwd+bwd {fmt_shape(mem)} causal", lambda: kernel_calls(mem, True, True),
                       flops=kernel_flops(mem, True, True), pairs=min(repeats, MEMORY_PAIRS),
@@ -460,6 +484,39 @@ def measure(case, repeats, min_sample):
     return Result(case, times, calls, memory)
 
 
+def sgemm_gflops(n, min_sample, samples=SGEMM_SAMPLES):
+    """GFLOP/s of a float32 (n, n) @ (n, n) product through ``torch.mm`` and ``np.matmul`` (2 n^3 flops each):
+    ({"PyTorch": rate, "NumPy": rate}, how NumPy's threads were set, as a phrase for the report).
+
+    The ceiling the attention forward is held against, so it is measured in the same run, on the same threads:
+    PyTorch's as the run set them; NumPy's BLAS limited to them through threadpoolctl if it is installed (it is not
+    a dependency), else on its own default. Each side warms up, then gives the median of ``samples`` samples (a
+    batch lasting at least ``min_sample`` each) in a block of its own, PyTorch first: not alternately as the cases,
+    because OpenBLAS's threads keep spinning for a while after NumPy's product and took the cores from the next
+    ``torch.mm`` (on the 2-core EPYC, PyTorch's rate fell from about 175 to 115 GFLOP/s when alternated; NumPy's
+    barely moved). The outputs are allocated once, so that the samples time the product, not the page faults of a
+    fresh 16 MiB array.
+    """
+    rng = np.random.default_rng(0)
+    a, b = (rng.standard_normal((n, n), dtype=np.float32) for _ in range(2))
+    c, tc = np.empty((n, n), np.float32), torch.empty(n, n, dtype=torch.float32)
+    ta, tb = torch.from_numpy(a), torch.from_numpy(b)
+    sides = {"PyTorch": lambda: torch.mm(ta, tb, out=tc), "NumPy": lambda: np.matmul(a, b, out=c)}
+    threads = torch.get_num_threads()
+    try:
+        from threadpoolctl import threadpool_limits
+        limit, numpy_threads = threadpool_limits(threads, user_api="blas"), f"NumPy's BLAS on {threads} threads"
+    except ImportError:
+        limit = contextlib.nullcontext()
+        numpy_threads = "NumPy's BLAS on its default threads: threadpoolctl is not installed"
+    rates = {}
+    with limit:
+        for name, call in sides.items():
+            calls = calibrate(call, min_sample, sample(call, 1))  # the first call: the warm-up
+            rates[name] = 2.0 * n ** 3 / np.median([sample(call, calls) for _ in range(samples)]) / 1e9
+    return rates, numpy_threads
+
+
 # ---------------------------------------------------------------------------------------------------- report
 def fmt_time(seconds):
     """Three significant digits in µs, ms or s."""
@@ -469,13 +526,18 @@ def fmt_time(seconds):
             return f"{v:.0f} {unit}" if v >= 100 else f"{v:.1f} {unit}" if v >= 10 else f"{v:.2f} {unit}"
 
 
+def attnpp_gflops(result):
+    """attnpp's GFLOP/s in a case with a flop count (its median call), else None."""
+    return None if result.case.flops is None else result.case.flops / np.median(result.times[0]) / 1e9
+
+
 def row(result):
     """One table row: name, times, ratio [IQR], GFLOP/s, memory of each side."""
     a, t = (np.asarray(x) for x in result.times)
     q1, med, q3 = np.percentile(t / a, [25, 50, 75])  # one ratio per alternating pair
     # the training shows all its steps (sum of the chunks), the other cases the median call
     shown = [x.sum() * n if result.case.total else np.median(x) for x, n in zip((a, t), result.calls)]
-    gflops = "-" if result.case.flops is None else f"{result.case.flops / np.median(a) / 1e9:.1f}"
+    gflops = "-" if result.case.flops is None else f"{attnpp_gflops(result):.1f}"
     mem = ["n/a" if m is None else f"{m:.1f}" for m in result.memory]
     return [result.case.name, fmt_time(shown[0]), fmt_time(shown[1]), f"{med:.2f} [{q1:.2f}-{q3:.2f}]", gflops, *mem]
 
@@ -490,13 +552,44 @@ def print_table(rows):
         print("  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))))
 
 
-def print_report(results, repeats, min_sample, quick, load):
-    """The header (setup and method), the table, the memory case's line and the note on the ratios."""
+def capability_line():
+    """The CPU level each library runs at, and the variables that forced it (``--capability`` sets all three)."""
+    attnpp_level, torch_level = attnpp.cpu_capability(), torch.backends.cpu.get_cpu_capability()
+    line = f"CPU level: attnpp {attnpp_level}, PyTorch {torch_level}"
+    forced = [f"{var}={os.environ[var]}" for var in CAPABILITY_VARS if var in os.environ]
+    if forced:
+        line += f" (forced: {', '.join(forced)})"
+    aten = os.environ.get("ATEN_CPU_CAPABILITY")
+    if aten and aten.lower() != torch_level.lower():
+        # attnpp refuses a level it cannot run (its import fails); PyTorch only warns and keeps its own
+        line += f"; PyTorch did NOT take ATEN_CPU_CAPABILITY={aten}"
+    return line
+
+
+def sgemm_line(results, n, rates, numpy_threads):
+    """The distance to the limit: the sgemm rates, and attnpp's attention forward GFLOP/s (best and median over the
+    run's ``sdpa fwd`` cases, as the table shows them) as a share of PyTorch's sgemm rate."""
+    line = (f"sgemm float32 {n}x{n} @ {n}x{n} on {torch.get_num_threads()} threads (median of {SGEMM_SAMPLES}): "
+            f"PyTorch {rates['PyTorch']:.1f} GFLOP/s, NumPy {rates['NumPy']:.1f} GFLOP/s ({numpy_threads}) | ")
+    forward = [attnpp_gflops(r) for r in results if r.case.vs_sgemm]
+    if not forward:
+        return line + "attnpp sdpa fwd: no such case in this run (see --cases)"
+    best, median = max(forward), float(np.median(forward))
+    share = lambda gflops: f"{gflops / rates['PyTorch']:.0%}"
+    return line + (f"attnpp sdpa fwd over {len(forward)} cases: best {best:.1f} GFLOP/s = {share(best)} of "
+                   f"PyTorch's sgemm, median {median:.1f} GFLOP/s = {share(median)} (the issue's target: >= "
+                   f"{SGEMM_TARGET:.0%})")
+
+
+def print_report(results, repeats, min_sample, quick, load, sgemm):
+    """The header (setup and method), the table, the memory case's line, the sgemm line (``sgemm``: the arguments
+    of sgemm_line after the results) and the note on the ratios."""
     print(f"attnpp {attnpp.__version__} vs PyTorch {torch.__version__} (CPU), float32{' (--quick)' if quick else ''}")
     print(f"threads: attnpp {attnpp.get_num_threads()}, PyTorch {torch.get_num_threads()} | repeats: {repeats} "
           f"alternating pairs per case (memory case {min(repeats, MEMORY_PAIRS)}; training {repeats} chunks)")
     print(f"CPU: {cpu_model()} ({os.cpu_count()} logical CPUs); other processes used "
           f"{'n/a' if load is None else f'{load:.0%}'} of the CPUs' time during the run")
+    print(capability_line())
     print(f"times: median per call, a fast call timed as the mean of a batch lasting >= {min_sample * 1e3:.0f} ms "
           "(training: all steps); PyTorch forwards under no_grad; the articles' layers in eval mode (dropout off) "
           "on both sides")
@@ -508,6 +601,7 @@ def print_report(results, repeats, min_sample, quick, load):
     for r in results:
         if r.case.summary:
             print(r.case.summary(r))
+    print(sgemm_line(results, *sgemm))
     print("ratio = PyTorch time / attnpp time of each alternating pair (a, t, a, t, ...): median [25th-75th "
           "percentile] over the pairs; above 1: attnpp faster")
 
@@ -555,6 +649,30 @@ def select(cases, pattern):
     return [c for c in cases if regex.search(c.name)]
 
 
+def run_at_capability(level, argv):
+    """Run this benchmark with ``argv`` in a child process whose libraries load at ``level``; its exit status.
+
+    A child, because each library picks its level once, at import, and this process has imported both. The child
+    inherits stdout and stderr (its progress and table appear as they come) and its environment forces the level
+    (capability_env), so its own ``--capability`` is already met and it runs the table itself. A level the CPU
+    cannot run makes ``import attnpp`` raise ImportError, which ``python -m attnpp.bench`` reports as a traceback
+    before this module runs: a probe imports attnpp in the same environment first, and its message ends this
+    process instead.
+    """
+    env = {**os.environ, **capability_env(level)}
+    probe = subprocess.run([sys.executable, "-c", "import attnpp"], env=env, capture_output=True, text=True)
+    if probe.returncode != 0:
+        lines = probe.stderr.strip().splitlines() or [f"exit status {probe.returncode}"]
+        sys.exit(f"--capability {level}: {lines[-1]}")  # the exception's line, e.g. "ImportError: ..."
+    sys.stdout.flush()
+    child = subprocess.run([sys.executable, "-m", "attnpp.bench", *argv], env=env)
+    if child.returncode < 0:  # killed by a signal (SIGILL: an instruction this CPU lacks); exit as a shell would
+        print(f"--capability {level}: the benchmark died of signal {-child.returncode} "
+              f"({signal.strsignal(-child.returncode)})", file=sys.stderr)
+        return 128 - child.returncode
+    return child.returncode
+
+
 def parse_args(argv):
     p = argparse.ArgumentParser(prog="python -m attnpp.bench", description=__doc__.split("\n\n")[0])
     p.add_argument("--cases", help="run the cases whose name matches this regular expression (or substring)")
@@ -565,6 +683,9 @@ def parse_args(argv):
                                                f"--quick 3; the memory case at most {MEMORY_PAIRS})")
     p.add_argument("--quick", action="store_true", help="tiny sizes, 3 repeats, 9 training steps: checks that "
                                                         "every case kind runs, in seconds")
+    p.add_argument("--capability", choices=list(MKL_INSTRUCTIONS),
+                   help="run the benchmark (the other options passed on) in a child process with attnpp, PyTorch and "
+                        "MKL at this CPU level, e.g. avx2 on an AVX-512 host (default: each library's best level)")
     args = p.parse_args(argv)
     if args.threads < 1 or (args.repeats is not None and args.repeats < 1):
         p.error("--threads and --repeats must be >= 1")
@@ -572,7 +693,11 @@ def parse_args(argv):
 
 
 def main(argv=None):
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = parse_args(argv)
+    # the child of run_at_capability gets the same argv: its environment already forces the level, so it runs here
+    if args.capability and any(os.environ.get(var) != value for var, value in capability_env(args.capability).items()):
+        sys.exit(run_at_capability(args.capability, argv))
     size = SIZES[args.quick]
     repeats = args.repeats or size["repeats"]
     cases = select(make_cases(args.quick, repeats), args.cases)
@@ -590,7 +715,12 @@ def main(argv=None):
         print(f"[{i}/{len(cases)}] {case.name} ({time.perf_counter() - start:.0f} s)", file=sys.stderr, flush=True)
         results.append(measure(case, repeats, size["min_sample"]))
 
-    print_report(results, repeats, size["min_sample"], args.quick, background_load(cpu_before))
+    # the limit, measured after the cases so that it runs on the same, already warm machine
+    print(f"[sgemm] float32 {size['sgemm']}^3 through torch.mm and np.matmul ({time.perf_counter() - start:.0f} s)",
+          file=sys.stderr, flush=True)
+    rates, numpy_threads = sgemm_gflops(size["sgemm"], size["min_sample"])
+    print_report(results, repeats, size["min_sample"], args.quick, background_load(cpu_before),
+                 (size["sgemm"], rates, numpy_threads))
     print(f"total {time.perf_counter() - start:.0f} s", file=sys.stderr)
 
 
