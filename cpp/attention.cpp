@@ -6,9 +6,9 @@
 #include "attention.hpp"
 
 #include <algorithm>
-#include <type_traits>
 
 #include "gemm.hpp"
+#include "vector_exp.hpp"
 
 namespace attnpp::ATTNPP_CPU_NS {
 namespace {
@@ -59,35 +59,6 @@ void apply_dropout(RowMat<T>& p_blk, const AttnConfig<T>& cfg, int64_t n, int64_
     const uint64_t row = ((uint64_t(n) * cfg.Hq + h) * cfg.L + i0 + r) * cfg.S + j0;
     for (int64_t c = 0; c < p_blk.cols(); ++c)
       p_blk(r, c) = dropout_keep(cfg.seed, row + c, cfg.dropout_p) ? p_blk(r, c) * inv_keep : T(0);
-  }
-}
-
-// exp(x) on Eigen's packets, for x <= 0 (a score minus its row's max or log-sum-exp) or NaN (which propagates).
-// float: Eigen's pexp_float (Cephes' polynomial) with Eigen's fast ldexp applied to the two halves of the power
-// of two, instead of its generic ldexp, whose four dependent multiplications (for exponents of any size) took
-// a third of the softmax's time. Both halves are normal numbers for x >= -104, below which exp(x) is 0 in float.
-// double: Eigen's pexp.
-template <typename P>
-P exp_nonpositive(const P& x) {
-  namespace ei = Eigen::internal;
-  if constexpr (!std::is_same_v<typename ei::unpacket_traits<P>::type, float>) {
-    return ei::pexp(x);
-  } else {
-    const auto c = [](float v) { return ei::pset1<P>(v); };
-    const P xc = ei::pmax(x, c(-104.f));
-    const P m = ei::pfloor(ei::pmadd(xc, c(1.44269504088896341f), c(0.5f)));  // x = m ln 2 + r
-    P r = ei::pmadd(m, c(-0.693359375f), xc);
-    r = ei::pmadd(m, c(2.12194440e-4f), r);
-    const P r2 = ei::pmul(r, r), r3 = ei::pmul(r2, r);
-    P y = ei::pmadd(c(1.9875691500E-4f), r, c(1.3981999507E-3f));
-    P y1 = ei::pmadd(c(4.1665795894E-2f), r, c(1.6666665459E-1f));
-    y = ei::pmadd(y, r, c(8.3334519073E-3f));
-    y1 = ei::pmadd(y1, r, c(5.0000001201E-1f));
-    y = ei::pmadd(y, r3, y1);
-    y = ei::pmadd(y, r2, ei::padd(r, c(1.f)));  // exp(r)
-    const P half = ei::pfloor(ei::pmul(m, c(0.5f)));
-    using Ldexp = ei::pldexp_fast_impl<P>;
-    return ei::pmax(Ldexp::run(Ldexp::run(y, half), ei::psub(m, half)), x);  // exp(r) 2^m (as pexp_float ends)
   }
 }
 

@@ -4,23 +4,30 @@
 #include <cmath>
 
 #include "training.hpp"
+#include "vector_exp.hpp"
 
 namespace attnpp::ATTNPP_CPU_NS {
 
 namespace {
 
-// exp((x_j - m) - s) for the n entries of x, a chunk at a time into a buffer that stays in L1, each chunk given to
-// use(c0, buf, len). Through the aligned buffer, never straight into an output, so that every element takes the
-// same exp whatever the output's alignment: Eigen computes the elements before an output's first aligned address
-// with the scalar exp, which may differ from its vector exp in the last bit.
+// exp((x_j - m) - s) for the n entries of x (m: the row's max, s >= 0), a chunk at a time into a buffer that
+// stays in L1, each chunk given to use(c0, buf, len). Full packets with exp_nonpositive, the last len % W
+// entries of a chunk with std::exp: which exp an entry takes depends on its position only, never on where the
+// row or the output lies in memory (Eigen's expressions start their packets at an output's first aligned
+// address, which made the gradient's last bit depend on the output's allocation).
 template <typename T, typename Use>
 void exp_shifted_chunks(const T* x, int64_t n, T m, T s, Use&& use) {
-  constexpr int64_t kChunk = 1024;
+  namespace ei = Eigen::internal;
+  using P = typename ei::packet_traits<T>::type;
+  constexpr int64_t kChunk = 1024, W = ei::unpacket_traits<P>::size;
   alignas(64) T buf[kChunk];
-  using Arr = Eigen::Array<T, Eigen::Dynamic, 1>;
+  const P vm = ei::pset1<P>(m), vs = ei::pset1<P>(s);
   for (int64_t c0 = 0; c0 < n; c0 += kChunk) {
     const int64_t len = std::min(kChunk, n - c0);
-    Eigen::Map<Arr, Eigen::Aligned64>(buf, len) = ((Eigen::Map<const Arr>(x + c0, len) - m) - s).exp();
+    int64_t j = 0;
+    for (; j + W <= len; j += W)
+      ei::pstoreu(buf + j, exp_nonpositive(ei::psub(ei::psub(ei::ploadu<P>(x + c0 + j), vm), vs)));
+    for (; j < len; ++j) buf[j] = std::exp((x[c0 + j] - m) - s);
     use(c0, buf, len);
   }
 }
