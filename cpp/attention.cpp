@@ -131,26 +131,29 @@ void sdpa_forward(const View4<T>& out, T* logsumexp, const View4<const T>& q, co
         l.setZero(rows);
         const int64_t k_blocks = key_blocks_for(cfg, i0, rows);
         for (int64_t kb = 0; kb < k_blocks; ++kb) {
+          // rows [r0, rows) see keys of this block: the causal mask hides it from the rows before r0
           const int64_t j0 = kb * kBlockS, cols = visible_cols(cfg, i0, rows, j0);
+          const int64_t r0 = std::clamp<int64_t>(cfg.first_query(j0) - i0, 0, rows), br = rows - r0;
           pack_block(kt, k, n, hk, j0, cols, cfg.D, true);
-          if (!score_block(s_blk, q.at(n, h, i0), q.row, kt, rows, cols, cfg, n, h, i0, j0)) continue;
-          for (int64_t r = 0; r < rows; ++r) {
+          if (!score_block(s_blk, q.at(n, h, i0 + r0), q.row, kt, br, cols, cfg, n, h, i0 + r0, j0)) continue;
+          for (int64_t r = 0; r < br; ++r) {
             // the new running max; NaN once a score is NaN, so that the row comes out NaN as in PyTorch
             const T blk_max = s_blk.row(r).template maxCoeff<Eigen::PropagateNaN>();
-            const T m_new = std::isnan(blk_max) || blk_max > m(r) ? blk_max : m(r);
+            const T m_old = m(r0 + r), m_new = std::isnan(blk_max) || blk_max > m_old ? blk_max : m_old;
             if (m_new == neg_inf<T>()) {  // nothing visible yet in this row
               s_blk.row(r).setZero();
               continue;
             }
-            const T alpha = std::exp(m(r) - m_new);  // rescales what was summed under the old max
-            l(r) = l(r) * alpha + exp_shifted(&s_blk(r, 0), cols, m_new);
-            acc.row(r) *= alpha;
-            m(r) = m_new;
+            const T alpha = std::exp(m_old - m_new);  // rescales what was summed under the old max
+            l(r0 + r) = l(r0 + r) * alpha + exp_shifted(&s_blk(r, 0), cols, m_new);
+            acc.row(r0 + r) *= alpha;
+            m(r0 + r) = m_new;
           }
-          if (cfg.dropout_p > 0) apply_dropout(s_blk, cfg, n, h, i0, j0);
+          if (cfg.dropout_p > 0) apply_dropout(s_blk, cfg, n, h, i0 + r0, j0);
           // acc += p v_blk
           pack_block(vb, v, n, hk, j0, cols, cfg.Dv, false);
-          gemm(acc.data(), cfg.Dv, s_blk.data(), cols, int64_t(1), vb, rows, cfg.Dv, cols, T(1), true);
+          gemm(acc.data() + r0 * cfg.Dv, cfg.Dv, s_blk.data(), cols, int64_t(1), vb, br, cfg.Dv, cols, T(1),
+               true);
         }
         auto o_blk = MapRows<T>(out.at(n, h, i0), rows, cfg.Dv, Eigen::OuterStride<>(out.row));
         T* lse = logsumexp + (n * cfg.Hq + h) * cfg.L + i0;

@@ -99,11 +99,15 @@ struct AttnConfig {
 
   int64_t group() const { return Hq / Hk; }  // query heads per key/value head (GQA)
   int64_t work() const { return N * Hq * L * S * (D + Dv); }  // multiply-adds of a forward without masking
+  // Under the causal mask query row i sees the keys up to i + causal_offset().
+  int64_t causal_offset() const { return causal == Causal::bottom_right ? S - L : 0; }
   // Last key a query row may see under the causal mask (inclusive); S - 1 when not causal.
   int64_t last_key(int64_t i) const {
-    if (causal == Causal::none) return S - 1;
-    const int64_t offset = causal == Causal::bottom_right ? S - L : 0;
-    return std::min<int64_t>(S - 1, i + offset);
+    return causal == Causal::none ? S - 1 : std::min<int64_t>(S - 1, i + causal_offset());
+  }
+  // First query row that may see key j under the causal mask; 0 when not causal.
+  int64_t first_query(int64_t j) const {
+    return causal == Causal::none ? 0 : std::max<int64_t>(0, j - causal_offset());
   }
 };
 

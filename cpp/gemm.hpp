@@ -19,6 +19,7 @@
 #include <cstring>
 #include <memory>
 
+#include "buffer_pool.hpp"
 #include "level.hpp"
 
 namespace attnpp::ATTNPP_CPU_NS {
@@ -129,7 +130,12 @@ void gemm_rows(T* C, int64_t ldc, const T* A, int64_t ars, int64_t acs, const T*
 template <typename T>
 struct PackedB {
   static constexpr int64_t kPanel = gemm_detail::kNV * gemm_detail::Vec<T>::width;
-  std::unique_ptr<T[]> data;  // (not a std::vector: no zeroing of what the packing overwrites)
+  // From the recycled blocks (buffer_pool.hpp): a projection packs megabytes at every call, whose fresh pages
+  // cost more than the packing (article 001's training step packs its 6 MiB logits' gradient).
+  struct Release {
+    void operator()(T* p) const { pool_release(p); }
+  };
+  std::unique_ptr<T, Release> data;
   int64_t K = 0, N = 0, capacity = 0;
 
   // Packs B (K, N), element (k, j) at B[k * brs + j * bcs] (a transposed view has brs = 1).
@@ -139,7 +145,10 @@ struct PackedB {
   }
   void resize(int64_t K_, int64_t N_) {
     K = K_, N = N_;
-    if (capacity < K * N) data.reset(new T[capacity = K * N]);
+    if (capacity < K * N) {
+      data.reset();
+      data.reset(static_cast<T*>(pool_acquire(sizeof(T) * std::size_t(capacity = K * N))));
+    }
   }
   // The panel of columns [j0, j0 + width(j0)).
   void pack_panel(const T* B, int64_t brs, int64_t bcs, int64_t j0) {
@@ -234,16 +243,21 @@ void dot_products(T* C, const T* A, int64_t lda, const T* Bt, int64_t ldbt, int6
 }
 
 // The same product for large operands (the projections), B (K, N) with element (k, j) at B[k * brs + j * bcs]:
-// B packed once (in parallel, panel by panel), then C cut into blocks of (kMC, kNC) elements, run in parallel,
+// B packed once (in parallel, panel by panel) unless its rows are contiguous and C has a single block of rows
+// (then each row of B is read by a few tiles only, and the copy would cost more than it saves: the 30 x 50,257
+// logits' gradient of article 001's training), then C cut into blocks of (kMC, kNC) elements, run in parallel,
 // each walking k in slices of kKC so that its slice of A and of B stays in cache. Every element of C is written
 // by one thread, which sums over k in order: the result does not depend on the thread count.
 template <typename T>
 void gemm_parallel(T* C, int64_t ldc, const T* A, int64_t ars, int64_t acs, const T* B, int64_t brs, int64_t bcs,
                    int64_t M, int64_t N, int64_t K, T alpha, bool accumulate) {
   constexpr int64_t kMC = 120, kNC = 256, kKC = 256;  // kNC: a multiple of every level's panel width
+  const bool packed = bcs != 1 || M > kMC;
   PackedB<T> b;
-  b.resize(K, N);
-  parallel_for(ceil_div(N, b.kPanel), K * N, [&](int64_t p) { b.pack_panel(B, brs, bcs, p * b.kPanel); });
+  if (packed) {
+    b.resize(K, N);
+    parallel_for(ceil_div(N, b.kPanel), K * N, [&](int64_t p) { b.pack_panel(B, brs, bcs, p * b.kPanel); });
+  }
   const int64_t m_blocks = ceil_div(M, kMC), n_blocks = ceil_div(N, kNC);
   const int64_t k_slices = std::max<int64_t>(1, ceil_div(K, kKC));  // one (empty) slice when K = 0 zeroes C
   parallel_for(
@@ -253,8 +267,13 @@ void gemm_parallel(T* C, int64_t ldc, const T* A, int64_t ars, int64_t acs, cons
         const int64_t rows = std::min(kMC, M - i0), cols = std::min(kNC, N - j0);
         for (int64_t s = 0; s < k_slices; ++s) {
           const int64_t k0 = s * kKC, kc = std::min(kKC, K - k0);
-          gemm(C + i0 * ldc + j0, ldc, A + i0 * ars + k0 * acs, ars, acs, b, rows, cols, kc, alpha,
-               accumulate || s > 0, k0, j0);
+          T* c = C + i0 * ldc + j0;
+          const T* a = A + i0 * ars + k0 * acs;
+          if (packed)
+            gemm(c, ldc, a, ars, acs, b, rows, cols, kc, alpha, accumulate || s > 0, k0, j0);
+          else
+            gemm_detail::gemm_rows(c, ldc, a, ars, acs, B + k0 * brs + j0, brs, rows, cols, kc, alpha,
+                                   accumulate || s > 0);
         }
       },
       true);
