@@ -155,14 +155,25 @@ struct PackedB {
     const int64_t w = width(j0);
     T* dst = data.get() + j0 * K;
     const T* src = B + j0 * bcs;
-    if (bcs == 1 && w == kPanel)  // rows of one panel width: copies the compiler makes vector moves of
-      for (int64_t k = 0; k < K; ++k) std::memcpy(dst + k * kPanel, src + k * brs, kPanel * sizeof(T));
-    else if (brs == 1)  // a transposed view: read along its contiguous k
-      for (int64_t j = 0; j < w; ++j)
-        for (int64_t k = 0; k < K; ++k) dst[k * w + j] = src[j * bcs + k];
-    else
-      for (int64_t k = 0; k < K; ++k)
-        for (int64_t j = 0; j < w; ++j) dst[k * w + j] = src[k * brs + j * bcs];
+    int64_t k = 0;
+    if (bcs == 1 && w == kPanel) {  // rows of one panel width: copies the compiler makes vector moves of
+      for (; k < K; ++k) std::memcpy(dst + k * kPanel, src + k * brs, kPanel * sizeof(T));
+    } else if (brs == 1 && w == kPanel) {  // a transposed view (K^T, V^T): square blocks of one vector's width
+      namespace ei = Eigen::internal;      // transposed in registers by Eigen (ptranspose)
+      using P = typename ei::packet_traits<T>::type;
+      constexpr int W = ei::unpacket_traits<P>::size;
+      if constexpr (W == gemm_detail::Vec<T>::width && W > 1) {
+        for (; k + W <= K; k += W)
+          for (int64_t j = 0; j < w; j += W) {
+            ei::PacketBlock<P, W> block;
+            for (int i = 0; i < W; ++i) block.packet[i] = ei::ploadu<P>(src + (j + i) * bcs + k);
+            ei::ptranspose(block);
+            for (int i = 0; i < W; ++i) ei::pstoreu(dst + (k + i) * w + j, block.packet[i]);
+          }
+      }
+    }
+    for (; k < K; ++k)  // the rest, element by element
+      for (int64_t j = 0; j < w; ++j) dst[k * w + j] = src[k * brs + j * bcs];
   }
   int64_t width(int64_t j) const { return std::min(kPanel, N - j); }
   const T* panel(int64_t j, int64_t k0 = 0) const { return data.get() + j * K + k0 * width(j); }  // from row k0
