@@ -50,11 +50,12 @@ eigen_dir() {
 eigen=$(eigen_dir) || { "$PY" -m pip install -q cmeel-eigen && eigen=$(eigen_dir); } \
     || { echo "cross_check.sh: no Eigen (cmeel-eigen)" >&2; exit 2; }
 
-# ---- builds: all four at once in the background (each compiles its eight files one by one) ----------------------
+# ---- builds: all four at once in the background (each compiles its files one by one) ----------------------
 # The flags of CMakeLists.txt's kernels (ATTNPP_FLAGS, ATTNPP_DEFINITIONS) plus the level's -march. No dispatch.cpp:
 # the test defines thread_count() itself (dispatch.cpp's level table needs the default level linked in too).
+# buffer_pool.cpp: the packed operands of the products come from it.
 sources=(tests/cpp/test_kernels.cpp cpp/attention.cpp cpp/linear.cpp cpp/dropout.cpp cpp/embedding.cpp
-         cpp/cross_entropy.cpp cpp/optim.cpp cpp/kernels.cpp)
+         cpp/cross_entropy.cpp cpp/optim.cpp cpp/kernels.cpp cpp/buffer_pool.cpp)
 flags=(-O3 -fno-math-errno -fopenmp -std=c++17 -DEIGEN_GEMM_TO_COEFFBASED_THRESHOLD=0 -Icpp -I"$eigen")
 declare -A pid
 build() {  # build NAME COMPILER FLAGS...: the binary $work/NAME, its compiler output in $work/NAME.build.log
