@@ -50,7 +50,7 @@ TORCH = {np.dtype(np.float64): torch.float64, np.dtype(np.float32): torch.float3
 EPS = {np.dtype(np.float64): 2.0**-52, np.dtype(np.float32): 2.0**-23}
 BACKENDS = {0: "math", 1: "flash", 2: "efficient", 3: "cudnn", 4: "overrideable", -1: "error"}
 # sizes that cross the kernel's block boundaries (64 queries x 128 keys)
-BIG_SIZES = [63, 64, 65, 127, 128, 129, 130, 200]
+BIG_SIZES = [63, 64, 65, 127, 128, 129, 130, 200, 255, 256, 257, 300]  # the kernel's blocks: 64, 256
 # float32: attnpp's error may be this many times PyTorch's own float32 error (both against PyTorch in float64)
 F32_FACTOR = 4
 
@@ -141,7 +141,7 @@ def sdpa_cases(draw, max_size=40, big=True, big_widths=True, zero=None, dtypes=D
     dtype = draw(st.sampled_from(dtypes))
     lo = 0 if zero == "any" else 1
 
-    def size(top, can_be_big=True):  # mostly small, sometimes across the 64 x 128 block boundaries
+    def size(top, can_be_big=True):  # mostly small, sometimes across the kernel's block boundaries
         if big and can_be_big and draw(st.integers(0, 7)) == 7:
             return draw(st.sampled_from(BIG_SIZES))
         return draw(st.integers(lo, top))

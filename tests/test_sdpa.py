@@ -38,6 +38,7 @@ SHAPES = [  # q, k, v
     ((2, 3, 5, 8), (2, 3, 5, 8), (2, 3, 5, 8)),
     ((2, 3, 7, 8), (2, 3, 11, 8), (2, 3, 11, 4)),          # L != S, Dv != D
     ((1, 2, 130, 16), (1, 2, 300, 16), (1, 2, 300, 24)),    # several query and key blocks, partial last ones
+    ((1, 2, 600, 16), (1, 2, 530, 16), (1, 2, 530, 8)),     # three forward tasks of 256 queries, 3 key blocks
     ((2, 1, 1, 4), (2, 1, 1, 4), (2, 1, 1, 4)),             # L = S = 1
     ((4, 6), (9, 6), (9, 5)),                               # unbatched (L, D)
     ((3, 5, 4), (3, 7, 4), (3, 7, 4)),                      # (H, L, D)
@@ -53,7 +54,7 @@ def test_shapes(rng, dtype, shapes, is_causal):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("L,S", [(9, 5), (5, 9), (130, 200)])
+@pytest.mark.parametrize("L,S", [(9, 5), (5, 9), (130, 200), (300, 560), (560, 300)])
 def test_causal_bottom_right(rng, dtype, L, S):
     """causal_alignment='bottom_right' equals PyTorch with the mask tril(diagonal=S-L) (causal_lower_right)."""
     mask = np.tril(np.ones((L, S), dtype=bool), k=S - L)

@@ -256,6 +256,7 @@ void test_all() {
       // name                          N  Hq Hk  L    S    D   Dv
       {"plain L!=S D!=Dv",             2, 4, 4, 70, 133, 24, 40},
       {"exact blocks",                 1, 2, 2, 64, 256, 16, 16},
+      {"several blocks, causal",       1, 2, 1, 300, 530, 16, 8, Causal::top_left},
       {"GQA causal top_left",          2, 4, 2, 70, 133, 24, 40, Causal::top_left},
       {"GQA bottom_right L<S interl.", 2, 4, 2, 70, 133, 24, 40, Causal::bottom_right, false, 0, true},
       {"bottom_right L>S (rows masked)", 1, 2, 1, 150, 70, 8, 12, Causal::bottom_right},
