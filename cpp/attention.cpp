@@ -14,13 +14,18 @@ namespace attnpp::ATTNPP_CPU_NS {
 namespace {
 
 constexpr int64_t kBlockL = 64;     // query rows per block of the backward
-// Keys per block: 256 rather than 128 halves the forward's per-block work outside the products (rescaling the
-// accumulated rows, packing); sdpa fwd (1,12,1024,64) against PyTorch at AVX2: 0.96 -> 1.01.
-constexpr int64_t kBlockS = 256;
 // Query rows per task of the forward and the weights: each task packs every key block it sees, so that copy is
 // amortized over this many rows (64 rows: 15% of the forward's time at AVX2; 256, as PyTorch's CPU flash
 // attention for long sequences: 4%).
 constexpr int64_t kForwardL = 256;
+
+// Keys per block: 256 halves the forward's per-block work outside the products (rescaling the accumulated rows,
+// packing) against 128 (sdpa fwd (1,12,1024,64) against PyTorch at AVX2: 0.96 -> 1.01); 128 under the causal
+// mask, whose blocks on the diagonal compute their hidden part too.
+template <typename T>
+int64_t key_block(const AttnConfig<T>& cfg) {
+  return cfg.causal == Causal::none ? 256 : 128;
+}
 
 // Packs rows [r0, r0 + rows) of head (n, h) of a (rows, cols), or their transpose (cols, rows).
 template <typename T>
@@ -104,14 +109,14 @@ void probs_from_lse(RowMat<T>& p_blk, const T* lse) {
 // the blocks on the diagonal compute no more columns than their last row can see.
 template <typename T>
 int64_t visible_cols(const AttnConfig<T>& cfg, int64_t i0, int64_t rows, int64_t j0) {
-  return std::min(std::min(kBlockS, cfg.S - j0), cfg.last_key(i0 + rows - 1) + 1 - j0);
+  return std::min(std::min(key_block(cfg), cfg.S - j0), cfg.last_key(i0 + rows - 1) + 1 - j0);
 }
 
 // Key blocks [0, end) a query block [i0, i0 + rows) can see under the causal mask.
 template <typename T>
 int64_t key_blocks_for(const AttnConfig<T>& cfg, int64_t i0, int64_t rows) {
   const int64_t last = cfg.last_key(i0 + rows - 1);
-  return last < 0 ? 0 : ceil_div(last + 1, kBlockS);
+  return last < 0 ? 0 : ceil_div(last + 1, key_block(cfg));
 }
 
 }  // namespace
@@ -134,7 +139,7 @@ void sdpa_forward(const View4<T>& out, T* logsumexp, const View4<const T>& q, co
         const int64_t k_blocks = key_blocks_for(cfg, i0, rows);
         for (int64_t kb = 0; kb < k_blocks; ++kb) {
           // rows [r0, rows) see keys of this block: the causal mask hides it from the rows before r0
-          const int64_t j0 = kb * kBlockS, cols = visible_cols(cfg, i0, rows, j0);
+          const int64_t j0 = kb * key_block(cfg), cols = visible_cols(cfg, i0, rows, j0);
           const int64_t r0 = std::clamp<int64_t>(cfg.first_query(j0) - i0, 0, rows), br = rows - r0;
           pack_block(kt, k, n, hk, j0, cols, cfg.D, true);
           if (!score_block(s_blk, q.at(n, h, i0 + r0), q.row, kt, br, cols, cfg, n, h, i0 + r0, j0)) continue;
@@ -188,7 +193,7 @@ void sdpa_backward(const View4<T>& dq, const View4<T>& dk, const View4<T>& dv, c
       delta[nh * cfg.L + i] = sum;
     }
   });
-  const int64_t k_blocks = ceil_div(cfg.S, kBlockS), q_blocks = ceil_div(cfg.L, kBlockL);
+  const int64_t k_blocks = ceil_div(cfg.S, key_block(cfg)), q_blocks = ceil_div(cfg.L, kBlockL);
   // One thread owns a (n, key/value head) pair: it alone writes that pair's dk, dv and, since each query
   // head belongs to one key/value head, its query heads' dq.
   parallel_for(
@@ -198,7 +203,7 @@ void sdpa_backward(const View4<T>& dq, const View4<T>& dk, const View4<T>& dv, c
         thread_local PackedB<T> kt, vt, kp, qp, dop;  // k_blk^T, v_blk^T, k_blk; q_blk, dout_blk
         thread_local RowMat<T> p_blk, dp_blk, pd_blk;   // (Br, Bc)
         for (int64_t kb = 0; kb < k_blocks; ++kb) {
-          const int64_t j0 = kb * kBlockS, width = std::min(kBlockS, cfg.S - j0);
+          const int64_t j0 = kb * key_block(cfg), width = std::min(key_block(cfg), cfg.S - j0);
           pack_block(kt, k, n, hk, j0, width, cfg.D, true);
           pack_block(vt, v, n, hk, j0, width, cfg.Dv, true);
           pack_block(kp, k, n, hk, j0, width, cfg.D, false);
@@ -242,7 +247,7 @@ void sdpa_backward(const View4<T>& dq, const View4<T>& dk, const View4<T>& dv, c
 template <typename T>
 void sdpa_weights(T* weights, const T* logsumexp, const View4<const T>& q, const View4<const T>& k,
                   const AttnConfig<T>& cfg, bool average_heads) {
-  const int64_t q_blocks = ceil_div(cfg.L, kForwardL), k_blocks = ceil_div(cfg.S, kBlockS);
+  const int64_t q_blocks = ceil_div(cfg.L, kForwardL), k_blocks = ceil_div(cfg.S, key_block(cfg));
   const int64_t heads_out = average_heads ? 1 : cfg.Hq;
   parallel_for(
       cfg.N * heads_out * q_blocks, cfg.work(),
@@ -254,7 +259,7 @@ void sdpa_weights(T* weights, const T* logsumexp, const View4<const T>& q, const
         // one head, or all of them summed in order (then divided by Hq, as PyTorch's mean over heads)
         const int64_t h_begin = average_heads ? 0 : ho, h_end = average_heads ? cfg.Hq : ho + 1;
         for (int64_t kb = 0; kb < k_blocks; ++kb) {
-          const int64_t j0 = kb * kBlockS, cols = std::min(kBlockS, cfg.S - j0);
+          const int64_t j0 = kb * key_block(cfg), cols = std::min(key_block(cfg), cfg.S - j0);
           auto w = MapRows<T>(weights + ((n * heads_out + ho) * cfg.L + i0) * cfg.S + j0, rows, cols,
                               Eigen::OuterStride<>(cfg.S));
           for (int64_t h = h_begin; h < h_end; ++h) {
