@@ -124,7 +124,7 @@ int64_t key_blocks_for(const AttnConfig<T>& cfg, int64_t i0, int64_t rows) {
 template <typename T>
 void sdpa_forward(const View4<T>& out, T* logsumexp, const View4<const T>& q, const View4<const T>& k,
                   const View4<const T>& v, const AttnConfig<T>& cfg) {
-  const int64_t q_blocks = ceil_div(cfg.L, kForwardL);
+  const int64_t q_blocks = ceil_div(cfg.L, kForwardL), bs = key_block(cfg);  // bs: keys per block
   parallel_for(
       cfg.N * cfg.Hq * q_blocks, cfg.work(),
       [&](int64_t task) {
@@ -139,7 +139,7 @@ void sdpa_forward(const View4<T>& out, T* logsumexp, const View4<const T>& q, co
         const int64_t k_blocks = key_blocks_for(cfg, i0, rows);
         for (int64_t kb = 0; kb < k_blocks; ++kb) {
           // rows [r0, rows) see keys of this block: the causal mask hides it from the rows before r0
-          const int64_t j0 = kb * key_block(cfg), cols = visible_cols(cfg, i0, rows, j0);
+          const int64_t j0 = kb * bs, cols = visible_cols(cfg, i0, rows, j0);
           const int64_t r0 = std::clamp<int64_t>(cfg.first_query(j0) - i0, 0, rows), br = rows - r0;
           pack_block(kt, k, n, hk, j0, cols, cfg.D, true);
           if (!score_block(s_blk, q.at(n, h, i0 + r0), q.row, kt, br, cols, cfg, n, h, i0 + r0, j0)) continue;
@@ -193,7 +193,7 @@ void sdpa_backward(const View4<T>& dq, const View4<T>& dk, const View4<T>& dv, c
       delta[nh * cfg.L + i] = sum;
     }
   });
-  const int64_t k_blocks = ceil_div(cfg.S, key_block(cfg)), q_blocks = ceil_div(cfg.L, kBlockL);
+  const int64_t bs = key_block(cfg), k_blocks = ceil_div(cfg.S, bs), q_blocks = ceil_div(cfg.L, kBlockL);
   // One thread owns a (n, key/value head) pair: it alone writes that pair's dk, dv and, since each query
   // head belongs to one key/value head, its query heads' dq.
   parallel_for(
@@ -203,7 +203,7 @@ void sdpa_backward(const View4<T>& dq, const View4<T>& dk, const View4<T>& dv, c
         thread_local PackedB<T> kt, vt, kp, qp, dop;  // k_blk^T, v_blk^T, k_blk; q_blk, dout_blk
         thread_local RowMat<T> p_blk, dp_blk, pd_blk;   // (Br, Bc)
         for (int64_t kb = 0; kb < k_blocks; ++kb) {
-          const int64_t j0 = kb * key_block(cfg), width = std::min(key_block(cfg), cfg.S - j0);
+          const int64_t j0 = kb * bs, width = std::min(bs, cfg.S - j0);
           pack_block(kt, k, n, hk, j0, width, cfg.D, true);
           pack_block(vt, v, n, hk, j0, width, cfg.Dv, true);
           pack_block(kp, k, n, hk, j0, width, cfg.D, false);
@@ -247,7 +247,7 @@ void sdpa_backward(const View4<T>& dq, const View4<T>& dk, const View4<T>& dv, c
 template <typename T>
 void sdpa_weights(T* weights, const T* logsumexp, const View4<const T>& q, const View4<const T>& k,
                   const AttnConfig<T>& cfg, bool average_heads) {
-  const int64_t q_blocks = ceil_div(cfg.L, kForwardL), k_blocks = ceil_div(cfg.S, key_block(cfg));
+  const int64_t bs = key_block(cfg), q_blocks = ceil_div(cfg.L, kForwardL), k_blocks = ceil_div(cfg.S, bs);
   const int64_t heads_out = average_heads ? 1 : cfg.Hq;
   parallel_for(
       cfg.N * heads_out * q_blocks, cfg.work(),
@@ -259,7 +259,7 @@ void sdpa_weights(T* weights, const T* logsumexp, const View4<const T>& q, const
         // one head, or all of them summed in order (then divided by Hq, as PyTorch's mean over heads)
         const int64_t h_begin = average_heads ? 0 : ho, h_end = average_heads ? cfg.Hq : ho + 1;
         for (int64_t kb = 0; kb < k_blocks; ++kb) {
-          const int64_t j0 = kb * key_block(cfg), cols = std::min(key_block(cfg), cfg.S - j0);
+          const int64_t j0 = kb * bs, cols = std::min(bs, cfg.S - j0);
           auto w = MapRows<T>(weights + ((n * heads_out + ho) * cfg.L + i0) * cfg.S + j0, rows, cols,
                               Eigen::OuterStride<>(cfg.S));
           for (int64_t h = h_begin; h < h_end; ++h) {
