@@ -299,60 +299,6 @@ std::vector<int64_t> indices(const py::array& a, const char* name, int64_t size,
 }
 
 
-// A parameter's value and gradient, owned by the core; Python sees both as NumPy arrays sharing this memory.
-class Parameter {
- public:
-  Parameter(std::vector<py::ssize_t> shape, const py::dtype& dtype) : shape_(std::move(shape)), dtype_(dtype) {
-    if (!dtype.is(py::dtype::of<float>()) && !dtype.is(py::dtype::of<double>()))
-      throw py::type_error("dtype: expected float32 or float64, got " + std::string(py::str(dtype)));
-    size_ = 1;
-    for (auto s : shape_) {
-      if (s < 0) throw py::value_error("shape: dimensions must be non-negative");
-      if (s != 0 && size_ > std::numeric_limits<py::ssize_t>::max() / 8 / s) throw std::bad_alloc();
-      size_ *= s;
-    }
-    data_ = zeroed(size_);  // double storage is aligned for both dtypes
-    grad_ = zeroed(size_);
-  }
-  py::array view(const py::object& self, bool grad) const {
-    return py::array(dtype_, shape_, {}, grad ? grad_.get() : data_.get(), self);
-  }
-  void assign(const py::object& self, const py::object& value, bool grad) {
-    const std::string name = grad ? "grad" : "data";
-    py::array dst = view(self, grad);
-    py::array src = py::array::ensure(value);  // (arrays, and lists of numbers)
-    const char kind = src ? src.dtype().kind() : 'O';
-    if (kind != 'f' && kind != 'i' && kind != 'u' && kind != 'b')
-      throw py::type_error(name + ": expected an array of real numbers, got " +
-                           (py::isinstance<py::array>(value) ? std::string(py::str(src.dtype()))
-                                                             : std::string(py::str(value.get_type().attr("__name__")))));
-    if (src.ndim() != dst.ndim() || !std::equal(shape_.begin(), shape_.end(), src.shape()))
-      throw py::value_error(name + ": expected shape " + shape_str(dst) + ", got " + shape_str(src));
-    py::module_::import("numpy").attr("copyto")(dst, src, py::arg("casting") = "same_kind");
-  }
-  const std::vector<py::ssize_t>& shape() const { return shape_; }
-  const py::dtype& dtype() const { return dtype_; }
-  void zero_grad() { std::fill(grad_.get(), grad_.get() + size_, 0.0); }
-
- private:
-  struct Free {
-    void operator()(double* p) const { std::free(p); }
-  };
-  using Buffer = std::unique_ptr<double[], Free>;
-  // n zeroed doubles from calloc, whose failure is a null pointer, turned into std::bad_alloc (MemoryError) here:
-  // under AddressSanitizer a failing operator new aborts the process instead of throwing (google/sanitizers#295)
-  static Buffer zeroed(py::ssize_t n) {
-    auto* p = static_cast<double*>(std::calloc(n ? std::size_t(n) : 1, sizeof(double)));
-    if (p == nullptr) throw std::bad_alloc();
-    return Buffer(p);
-  }
-
-  std::vector<py::ssize_t> shape_;
-  py::dtype dtype_;
-  py::ssize_t size_ = 0;
-  Buffer data_, grad_;
-};
-
 }  // namespace
 
 PYBIND11_MODULE(_core, m) {
@@ -570,25 +516,4 @@ PYBIND11_MODULE(_core, m) {
       kernels<T>().adamw_step(p, g, m1, m2, param.size(), lr, beta1, beta2, eps, weight_decay, step);
     });
   });
-
-  py::class_<Parameter>(m, "Parameter", R"doc(
-A trainable array owned by attnpp's core, with its gradient beside it.
-
-``data`` and ``grad`` are NumPy arrays of shape ``shape`` and dtype ``dtype`` that share memory with the core
-(no copy): writing into them changes the parameter. Assigning an array to ``data`` or ``grad`` copies it in
-(same shape required, else ValueError).
-)doc")
-      .def(py::init<std::vector<py::ssize_t>, py::dtype>(), py::arg("shape"), py::arg("dtype"))
-      .def_property(
-          "data", [](const py::object& self) { return self.cast<const Parameter&>().view(self, false); },
-          [](const py::object& self, const py::object& v) { self.cast<Parameter&>().assign(self, v, false); })
-      .def_property(
-          "grad", [](const py::object& self) { return self.cast<const Parameter&>().view(self, true); },
-          [](const py::object& self, const py::object& v) { self.cast<Parameter&>().assign(self, v, true); })
-      .def_property_readonly("shape", [](const Parameter& p) { return py::tuple(py::cast(p.shape())); })
-      .def_property_readonly("dtype", &Parameter::dtype)
-      .def("zero_grad", &Parameter::zero_grad)
-      .def("__repr__", [](const py::object& self) {
-        return "Parameter(" + std::string(py::repr(self.attr("data"))) + ")";
-      });
 }

@@ -63,7 +63,7 @@ LEVEL_RUN = """
 import numpy as np, attnpp, attnpp.functional as F
 rng = np.random.default_rng(0)
 q = rng.standard_normal((2, 4, 70, 24)); k, v = rng.standard_normal((2, 2, 2, 133, 24))
-out, lse = F.scaled_dot_product_attention_forward(q, k, v, is_causal=True, dropout_p=0.2, seed=5, enable_gqa=True)
+out, lse, _ = F.scaled_dot_product_attention_forward(q, k, v, is_causal=True, dropout_p=0.2, seed=5, enable_gqa=True)
 grads = F.scaled_dot_product_attention_backward(np.cos(out), q, k, v, out, lse, is_causal=True, dropout_p=0.2, seed=5,
                                                 enable_gqa=True)
 x, w = rng.standard_normal((50, 40)), rng.standard_normal((30, 40))

@@ -137,11 +137,11 @@ def _reference_sdpa(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, sca
 @pytest.mark.parametrize("case_id, q_shape, k_shape, v_shape, kwargs", SDPA_CASES, ids=[c[0] for c in SDPA_CASES])
 def test_sdpa_gradcheck(case_id, q_shape, k_shape, v_shape, kwargs):
     rng, q, k, v, kw = _sdpa_setup(case_id, q_shape, k_shape, v_shape, kwargs)
-    out, lse = AF.scaled_dot_product_attention_forward(q, k, v, **kw)
+    out, lse, _ = AF.scaled_dot_product_attention_forward(q, k, v, **kw)
     G = randn(rng, *out.shape)
 
     def loss():
-        o, _ = AF.scaled_dot_product_attention_forward(q, k, v, **kw)
+        o, _, _ = AF.scaled_dot_product_attention_forward(q, k, v, **kw)
         return float((o * G).sum())
 
     # the forward is deterministic (also with dropout, for a fixed seed), so finite differences apply
@@ -162,7 +162,7 @@ def test_sdpa_fully_masked_rows_give_zero_output_and_gradient():
     rng = np.random.default_rng(5)
     q, k, v = randn(rng, 2, 2, 3, 4), randn(rng, 2, 2, 5, 4), randn(rng, 2, 2, 5, 3)
     mask = _bool_mask_with_empty_rows(rng)
-    out, lse = AF.scaled_dot_product_attention_forward(q, k, v, attn_mask=mask)
+    out, lse, _ = AF.scaled_dot_product_attention_forward(q, k, v, attn_mask=mask)
     G = randn(rng, *out.shape)
     dq, dk, dv = AF.scaled_dot_product_attention_backward(G, q, k, v, out, lse, attn_mask=mask)
     for x in (out, dq, dk, dv):
@@ -178,7 +178,7 @@ def test_sdpa_fully_masked_rows_give_zero_output_and_gradient():
     np.testing.assert_array_equal(w[empty], 0.0)
     # bottom-right causal with L > S: the first L - S rows see no key
     q5, k3, v3 = randn(rng, 1, 2, 5, 4), randn(rng, 1, 2, 3, 4), randn(rng, 1, 2, 3, 3)
-    out, lse = AF.scaled_dot_product_attention_forward(q5, k3, v3, is_causal=True, causal_alignment="bottom_right")
+    out, lse, _ = AF.scaled_dot_product_attention_forward(q5, k3, v3, is_causal=True, causal_alignment="bottom_right")
     dq, dk, dv = AF.scaled_dot_product_attention_backward(np.ones_like(out), q5, k3, v3, out, lse, is_causal=True,
                                                           causal_alignment="bottom_right")
     assert not any(np.isnan(x).any() for x in (out, dq, dk, dv))

@@ -303,7 +303,7 @@ def check_weights_and_lse(case, lse):
 
 def attnpp_sdpa(q, k, v, g, kw):
     """attnpp's output, gradients (query, key, value) and log-sum-exp."""
-    out, lse = AF.scaled_dot_product_attention_forward(q, k, v, **kw)
+    out, lse, _ = AF.scaled_dot_product_attention_forward(q, k, v, **kw)
     grads = AF.scaled_dot_product_attention_backward(g, q, k, v, out, lse, **kw)
     return [out, *grads], lse
 
@@ -693,7 +693,7 @@ def test_sdpa_nonfinite_forward(target, data):
     (ref, w_ref, lse_ref), ref32, math_ref = nonfinite_refs(case)
     full = case["out_lead"] + (case["L"], case["S"])
     with np.errstate(all="ignore"):
-        out, lse = AF.scaled_dot_product_attention_forward(q, k, v, **kw)
+        out, lse, _ = AF.scaled_dot_product_attention_forward(q, k, v, **kw)
         weights = AF.scaled_dot_product_attention_weights(expanded_query(case), k, **kw)
     assert_matches(out, allow_math_nan(out, ref[0], math_ref and math_ref[0]), dtype, "output",
                    None if ref32 is None else ref32[0][0])
@@ -814,7 +814,7 @@ def test_sdpa_extreme_magnitudes_forward(case):
     exactly on fully masked rows)."""
     count("test_sdpa_extreme_magnitudes_forward")
     q, k, v, kw, dtype = (case[n] for n in ("q", "k", "v", "kw", "dtype"))
-    out, lse = AF.scaled_dot_product_attention_forward(q, k, v, **kw)
+    out, lse, _ = AF.scaled_dot_product_attention_forward(q, k, v, **kw)
     ref, _, lse_ref = math_reference(case)
     assert np.isfinite(out).all(), "output: non-finite values"
     assert np.isfinite(lse[~np.isneginf(lse_ref)]).all(), "logsumexp: non-finite values"
@@ -916,10 +916,10 @@ def test_sdpa_memory_layouts(case, data):
     mask = kw.get("attn_mask")
     rest = {n: x for n, x in kw.items() if n != "attn_mask"}
     layouts = data.draw(st.lists(st.sampled_from(LAYOUTS), min_size=7, max_size=7), label="layouts")
-    out, lse = AF.scaled_dot_product_attention_forward(q, k, v, **kw)
+    out, lse, _ = AF.scaled_dot_product_attention_forward(q, k, v, **kw)
 
     def forward(q, k, v, mask, qw):
-        o, s = AF.scaled_dot_product_attention_forward(q, k, v, attn_mask=mask, **rest)
+        o, s, _ = AF.scaled_dot_product_attention_forward(q, k, v, attn_mask=mask, **rest)
         return [o, s, AF.scaled_dot_product_attention_weights(qw, k, attn_mask=mask, **rest)]
 
     def backward(q, k, v, mask, g, out, lse):

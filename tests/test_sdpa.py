@@ -22,7 +22,7 @@ def torch_sdpa(q, k, v, grad_out, **kw):
 
 def check_parity(rng, dtype, q_shape, k_shape, v_shape, ours_kw=None, **kw):
     q, k, v = (rng.standard_normal(s).astype(dtype) for s in (q_shape, k_shape, v_shape))
-    out, lse = AF.scaled_dot_product_attention_forward(q, k, v, **kw, **(ours_kw or {}))
+    out, lse, _ = AF.scaled_dot_product_attention_forward(q, k, v, **kw, **(ours_kw or {}))
     grad_out = rng.standard_normal(out.shape).astype(dtype)
     grads = AF.scaled_dot_product_attention_backward(grad_out, q, k, v, out, lse, **kw, **(ours_kw or {}))
     ref = torch_sdpa(q, k, v, grad_out, **kw)
@@ -94,7 +94,7 @@ def test_fully_masked_rows_give_zero(rng, dtype, kind):
     assert not np.isnan(out).any() and all(not np.isnan(g).any() for g in grads)
     assert (out[0, 1, 3] == 0).all() and (out[1, :, 0] == 0).all()
     assert (grads[0][0, 1, 3] == 0).all()
-    _, lse = AF.scaled_dot_product_attention_forward(*(np.ones((2, 3, n, 8), dtype) for n in (9, 140, 140)),
+    _, lse, _ = AF.scaled_dot_product_attention_forward(*(np.ones((2, 3, n, 8), dtype) for n in (9, 140, 140)),
                                                      attn_mask=mask)
     assert np.isneginf(lse[0, 1, 3]) and np.isfinite(lse[0, 0]).all()
 
@@ -136,7 +136,7 @@ def torch_reference_with_dropout(q, k, v, keep, p, scale, mask):
 def test_dropout_replayed_in_torch(rng, dtype, is_causal):
     p, seed, shape = 0.3, 42, (2, 3, 70, 150)
     q, k, v = (rng.standard_normal(s).astype(dtype) for s in ((2, 3, 70, 8), (2, 3, 150, 8), (2, 3, 150, 5)))
-    out, lse = AF.scaled_dot_product_attention_forward(q, k, v, dropout_p=p, is_causal=is_causal, seed=seed)
+    out, lse, _ = AF.scaled_dot_product_attention_forward(q, k, v, dropout_p=p, is_causal=is_causal, seed=seed)
     g = rng.standard_normal(out.shape).astype(dtype)
     grads = AF.scaled_dot_product_attention_backward(g, q, k, v, out, lse, dropout_p=p, is_causal=is_causal,
                                                      seed=seed)
@@ -200,7 +200,7 @@ def test_masked_keys_get_exactly_zero_weight(rng, dtype):
     assert (np.triu(w[0, 0], 1) == 0).all()
     v = rng.standard_normal((1, 1, 16, 8)).astype(dtype)
     v[..., -1, :] = 1e300 if dtype == np.float64 else 1e30  # seen by the last query only
-    out, lse = AF.scaled_dot_product_attention_forward(q, k, v, is_causal=True)
+    out, lse, _ = AF.scaled_dot_product_attention_forward(q, k, v, is_causal=True)
     ref = torch_sdpa(q, k, v, np.ones_like(out), is_causal=True)[0]
     assert_close(out[..., :-1, :], ref[..., :-1, :], dtype, "rows that do not see the huge value")
     grads = AF.scaled_dot_product_attention_backward(np.ones_like(out), q, k, v, out, lse,

@@ -42,7 +42,7 @@ def test_num_threads_is_process_wide(threads):
 
 # ------------------------------------------------------------------------------ the same results on any count
 def _sdpa_run(q, k, v, **kw):
-    out, lse = AF.scaled_dot_product_attention_forward(q, k, v, **kw)
+    out, lse, _ = AF.scaled_dot_product_attention_forward(q, k, v, **kw)
     grads = AF.scaled_dot_product_attention_backward(out, q, k, v, out, lse, **kw)
     return (out, lse) + grads
 

@@ -82,7 +82,7 @@ def check_sdpa(dtype, rng):
     q64, k64, v64 = (x.astype(np.float64) for x in (q, k, v))
     for name, kwargs, add in cases:
         tag = f"sdpa {np.dtype(dtype).name} {name}"
-        out, lse = F.scaled_dot_product_attention_forward(q, k, v, **kwargs)
+        out, lse, _ = F.scaled_dot_product_attention_forward(q, k, v, **kwargs)
         ref_out, ref_lse, p = ref_forward(q64, k64, v64, add, scale)
         check(f"{tag} output", out, ref_out, dtype)
         check(f"{tag} logsumexp", lse, ref_lse, dtype)

@@ -263,7 +263,7 @@ def kernel_calls(shape, causal, backward):
                 no_grad(lambda: TF.scaled_dot_product_attention(tq, tk, tv, is_causal=causal)))
 
     def attnpp_call():
-        out, lse = F.scaled_dot_product_attention_forward(q, k, v, is_causal=causal)
+        out, lse, _ = F.scaled_dot_product_attention_forward(q, k, v, is_causal=causal)
         F.scaled_dot_product_attention_backward(g, q, k, v, out, lse, is_causal=causal)
 
     leaves = [t.requires_grad_() for t in (tq, tk, tv)]

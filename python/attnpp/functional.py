@@ -5,6 +5,7 @@ length, S key/value length, D query/key head width, Dv value head width.
 """
 import math
 import numbers
+from collections import namedtuple
 
 import numpy as np
 
@@ -15,7 +16,7 @@ __all__ = [
     "dropout", "dropout_backward", "embedding", "embedding_backward",
     "cross_entropy", "cross_entropy_forward", "cross_entropy_backward",
     "scaled_dot_product_attention",
-    "scaled_dot_product_attention_forward",
+    "scaled_dot_product_attention_forward", "AttentionForward",
     "scaled_dot_product_attention_backward",
     "scaled_dot_product_attention_weights",
     "dropout_mask",
@@ -53,13 +54,34 @@ def _zeros(shape, dtype):
 
 
 # ----------------------------------------------------------------------------------------------- validation
-def check_array(x, name, ndim=None, min_ndim=None, dtype=None):
-    """``x`` as an ndarray of float32 or float64 (and of ``dtype`` when given), else TypeError/ValueError.
+def as_ndarray(x, name, written=False):
+    """``x`` as an ndarray without a copy: an ndarray itself, else through ``__dlpack__`` (a CPU tensor, a JAX or
+    CuPy array on the host) or ``__array__`` (an ``attnpp.nn.Parameter``, objects that convert themselves); an
+    argument the call writes into (``written``) must be an ndarray or a ``__dlpack__`` exporter, whose memory
+    is shared for certain. Else TypeError naming ``name`` and saying how to convert."""
+    if isinstance(x, np.ndarray):
+        return x
+    if hasattr(x, "__dlpack__"):
+        try:
+            return np.from_dlpack(x)
+        except (BufferError, RuntimeError, TypeError, ValueError) as e:
+            raise TypeError(f"{name}: cannot view {type(x).__name__} as a NumPy array ({e}); pass a CPU array "
+                            f"that does not require grad (for a torch tensor: tensor.detach().cpu()), or use "
+                            f"attnpp.torch for autograd") from None
+    if hasattr(x, "__array__") and not written:
+        return np.asarray(x)
+    raise TypeError(f"{name}: expected a numpy.ndarray{'' if written else ' or an array with __array__'} or "
+                    f"__dlpack__ (a CPU torch tensor), got {type(x).__name__}; convert it with numpy.asarray()")
+
+
+def check_array(x, name, ndim=None, min_ndim=None, dtype=None, written=False):
+    """``x`` as an ndarray (see ``as_ndarray``) of float32 or float64 (and of ``dtype`` when given), else
+    TypeError/ValueError.
 
     ``ndim`` is an int or a tuple of allowed ints. Called on every layer call, so kept to plain comparisons.
     """
-    if not isinstance(x, np.ndarray):
-        raise TypeError(f"{name}: expected a numpy.ndarray, got {type(x).__name__}")
+    if type(x) is not np.ndarray:
+        x = as_ndarray(x, name, written)
     if x.dtype not in _FLOATS:
         raise TypeError(f"{name}: expected dtype float32 or float64, got {x.dtype}")
     if dtype is not None and x.dtype != dtype:
@@ -112,8 +134,7 @@ def check_bool(value, name):
 
 def additive_mask(mask, dtype, name, true_means_masked):
     """A boolean or float mask as a float mask to add to the scores (0 or -inf for booleans)."""
-    if not isinstance(mask, np.ndarray):
-        raise TypeError(f"{name}: expected a numpy.ndarray, got {type(mask).__name__}")
+    mask = as_ndarray(mask, name)
     if mask.dtype == np.bool_:
         hidden = mask if true_means_masked else ~mask
         return np.where(hidden, -np.inf, 0.0).astype(dtype)
@@ -308,7 +329,14 @@ def scaled_dot_product_attention_forward(query, key, value, attn_mask=None, drop
     out = _empty((p.N, p.Hq, p.L, p.Dv), p.dtype)
     lse = np.empty((p.N, p.Hq, p.L), p.dtype)
     _core.sdpa_forward(out, lse, p.q4, p.k4, p.v4, *p.core_args())
-    return out.reshape(p.out_shape(p.L, p.Dv)), lse.reshape(p.out_shape(p.L))
+    return AttentionForward(out.reshape(p.out_shape(p.L, p.Dv)), lse.reshape(p.out_shape(p.L)),
+                            p.seed if p.dropout_p > 0 else None)
+
+
+AttentionForward = namedtuple("AttentionForward", ["output", "logsumexp", "seed"])
+AttentionForward.__doc__ = """What ``scaled_dot_product_attention_forward`` returns: ``output``, ``logsumexp``, and
+``seed``, the dropout seed used (the one given, or the one drawn when ``seed=None``; None without dropout), to
+pass to the backward."""
 
 
 scaled_dot_product_attention_forward.__doc__ = """Attention forward that also returns what the backward needs.
@@ -316,11 +344,15 @@ scaled_dot_product_attention_forward.__doc__ = """Attention forward that also re
     ``softmax(scale * query key^T + attn_mask) value``, with dropout on the weights.
 """ + _ARGS_DOC + """
     Returns:
-        (output, logsumexp): output (B..., Hq, L, Dv) (or (L, Dv) unbatched); logsumexp (B..., Hq, L), the
-        log of each row's softmax denominator (-inf for a fully masked row).
+        ``AttentionForward(output, logsumexp, seed)``, a named tuple: output (B..., Hq, L, Dv) (or (L, Dv)
+        unbatched); logsumexp (B..., Hq, L), the log of each row's softmax denominator (-inf for a fully masked
+        row); seed (int), the dropout seed used, drawn from attnpp's generator when ``seed=None`` (None when
+        dropout_p is 0).
 
     Dropout: the kept weights are those where ``dropout_mask((*B, Hq, L, S), dropout_p, seed)`` is True (B...
-    the broadcast batch shape), so a caller recovers the mask from the seed. Pass the same seed to the backward.
+    the broadcast batch shape), so a caller recovers the mask from the seed. Pass the returned seed to the
+    backward: ``out, lse, seed = scaled_dot_product_attention_forward(q, k, v, dropout_p=0.1)``, then
+    ``scaled_dot_product_attention_backward(grad, q, k, v, out, lse, dropout_p=0.1, seed=seed)``.
 """ + _ERRORS_DOC
 
 
@@ -344,12 +376,14 @@ def scaled_dot_product_attention_backward(grad_output, query, key, value, output
                                           seed=None, causal_alignment="top_left"):
     p = _Problem(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, seed, causal_alignment,
                  need_seed=True)
+    arrays = []
     for name, arr, shape in (("grad_output", grad_output, p.out_shape(p.L, p.Dv)),
                              ("output", output, p.out_shape(p.L, p.Dv)),
                              ("logsumexp", logsumexp, p.out_shape(p.L))):
-        check_array(arr, name, dtype=p.dtype)
-        if arr.shape != shape:
-            raise ValueError(f"{name}: expected shape {shape}, got {arr.shape}")
+        arrays.append(check_array(arr, name, dtype=p.dtype))
+        if arrays[-1].shape != shape:
+            raise ValueError(f"{name}: expected shape {shape}, got {arrays[-1].shape}")
+    grad_output, output, logsumexp = arrays
     four = lambda a, tail: np.ascontiguousarray(a).reshape((p.N, p.Hq) + tail)
     dq = _zeros((p.N, p.Hq, p.L, p.D), p.dtype)
     dk = _zeros((p.N, p.Hk, p.S, p.D), p.dtype)
@@ -388,7 +422,7 @@ def scaled_dot_product_attention_weights(query, key, attn_mask=None, dropout_p=0
         lse = np.empty((p.N, p.Hq, p.L), p.dtype)
         _core.sdpa_forward(np.empty((p.N, p.Hq, p.L, 0), p.dtype), lse, p.q4, p.k4, p.v4, *p.core_args())
     else:
-        check_array(logsumexp, "logsumexp", dtype=p.dtype)
+        logsumexp = check_array(logsumexp, "logsumexp", dtype=p.dtype)
         if logsumexp.shape != p.out_shape(p.L):
             raise ValueError(f"logsumexp: expected shape {p.out_shape(p.L)}, got {logsumexp.shape}")
         lse = np.ascontiguousarray(logsumexp).reshape(p.N, p.Hq, p.L)
@@ -462,7 +496,7 @@ def linear(input, weight, bias=None):
     input = check_array(input, "input", min_ndim=1)
     weight = check_array(weight, "weight", ndim=2, dtype=input.dtype)
     if bias is not None:
-        check_array(bias, "bias", ndim=1, dtype=input.dtype)
+        bias = check_array(bias, "bias", ndim=1, dtype=input.dtype)
         if bias.shape[0] != weight.shape[0]:
             raise ValueError(f"bias: expected shape ({weight.shape[0]},), got {bias.shape}")
     if input.shape[-1] != weight.shape[1]:
@@ -492,10 +526,10 @@ def linear_backward(grad_output, input, weight, grad_weight, grad_bias=None, nee
     input = check_array(input, "input", min_ndim=1)
     dt = input.dtype
     weight = check_array(weight, "weight", ndim=2, dtype=dt)
-    check_array(grad_output, "grad_output", dtype=dt)
-    check_array(grad_weight, "grad_weight", ndim=2, dtype=dt)
+    grad_output = check_array(grad_output, "grad_output", dtype=dt)
+    grad_weight = check_array(grad_weight, "grad_weight", ndim=2, dtype=dt, written=True)
     if grad_bias is not None:
-        check_array(grad_bias, "grad_bias", ndim=1, dtype=dt)
+        grad_bias = check_array(grad_bias, "grad_bias", ndim=1, dtype=dt, written=True)
     if input.shape[-1] != weight.shape[1]:
         raise ValueError(f"input: last dimension must be weight's in_features {weight.shape[1]}, got input "
                          f"{input.shape} and weight {weight.shape}")
@@ -541,7 +575,7 @@ def dropout(input, p=0.5, training=True, *, seed=None):
     Raises:
         TypeError: a non-float input, a non-number p, training not a bool. ValueError: p outside [0, 1).
     """
-    check_array(input, "input")
+    input = check_array(input, "input")
     p = check_probability(p, "p")
     if not check_bool(training, "training") or p == 0.0:
         return input
@@ -557,7 +591,7 @@ def dropout_backward(grad_output, p, seed):
         TypeError: a non-float grad_output, a non-number p, a seed not an int. ValueError: p outside [0, 1), no
         seed (None) with p > 0: the forward's seed is needed.
     """
-    check_array(grad_output, "grad_output")
+    grad_output = check_array(grad_output, "grad_output")
     p = check_probability(p, "p")
     if seed is None and p > 0:
         raise ValueError("seed: dropout_backward with p > 0 needs the seed given to the forward, got None")
@@ -570,8 +604,7 @@ def dropout_backward(grad_output, p, seed):
 
 def check_index(index, name, size, allowed=None):
     """``index`` as a C-contiguous int64 array with values in [0, size) (or equal to ``allowed``)."""
-    if not isinstance(index, np.ndarray):
-        raise TypeError(f"{name}: expected a numpy.ndarray of integers, got {type(index).__name__}")
+    index = as_ndarray(index, name)
     if index.dtype.kind not in "iu":
         raise TypeError(f"{name}: expected an integer dtype, got {index.dtype}")
     bad = (index < 0) | (index >= size)  # (before the cast to int64, which would wrap large uint64 values)
@@ -596,7 +629,7 @@ def embedding(input, weight):
         TypeError: non-integer indices or a non-float weight. ValueError: a weight that is not 2-D. IndexError: an
         index outside [0, V).
     """
-    check_array(weight, "weight", ndim=2)
+    weight = check_array(weight, "weight", ndim=2)
     index = check_index(input, "input", weight.shape[0])
     out = np.empty(index.shape + (weight.shape[1],), weight.dtype)
     _core.embedding_forward(out.reshape(-1, weight.shape[1]), index, np.ascontiguousarray(weight))
@@ -615,8 +648,8 @@ def embedding_backward(grad_output, input, grad_weight):
         ValueError: grad_output not of shape input.shape + (E,), grad_weight not 2-D, C-contiguous and
         writeable. IndexError: an index outside [0, V).
     """
-    check_array(grad_weight, "grad_weight", ndim=2)
-    check_array(grad_output, "grad_output", dtype=grad_weight.dtype)
+    grad_weight = check_array(grad_weight, "grad_weight", ndim=2, written=True)
+    grad_output = check_array(grad_output, "grad_output", dtype=grad_weight.dtype)
     if not grad_weight.flags.c_contiguous or not grad_weight.flags.writeable:
         raise ValueError("grad_weight: expected a C-contiguous, writeable array (written in place)")
     index = check_index(input, "input", grad_weight.shape[0])
@@ -648,7 +681,7 @@ def check_ignore_index(ignore_index):
 
 
 def _cross_entropy_args(input, target, ignore_index, reduction):
-    check_array(input, "input", ndim=(1, 2))
+    input = check_array(input, "input", ndim=(1, 2))
     check_reduction(reduction)
     check_ignore_index(ignore_index)
     logits = input if input.ndim == 2 else input[None]
@@ -713,9 +746,7 @@ def check_loss_grad(grad_output, dtype, shape):
         if shape != ():
             raise ValueError(f"grad_output: expected shape {shape} (the loss's), got a scalar")
         return
-    if not isinstance(grad_output, np.ndarray):
-        raise TypeError(f"grad_output: expected a float or a numpy.ndarray, got {type(grad_output).__name__}")
-    check_array(grad_output, "grad_output", dtype=dtype)
+    grad_output = check_array(grad_output, "grad_output", dtype=dtype)
     if grad_output.shape != shape:
         raise ValueError(f"grad_output: expected shape {shape} (the loss's), got {grad_output.shape}")
 
@@ -737,7 +768,7 @@ def cross_entropy_backward(grad_output, input, target, stats, ignore_index=-100,
     logits, tgt = _cross_entropy_args(input, target, ignore_index, reduction)
     check_loss_grad(grad_output, logits.dtype, (tgt.shape if input.ndim == 2 else ()) if reduction == "none"
                     else ())
-    check_array(stats, "stats", dtype=logits.dtype)
+    stats = check_array(stats, "stats", dtype=logits.dtype)
     if stats.shape != tgt.shape + (2,):
         raise ValueError(f"stats: expected shape {tgt.shape + (2,)} (N, 2), got {stats.shape}")
     kept = tgt != ignore_index

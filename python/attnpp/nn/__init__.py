@@ -1,5 +1,5 @@
 """Layers with parameters, each with ``forward`` and a hand-written ``backward``."""
-from .._core import Parameter
+from .parameter import Parameter
 from .module import Module
 from .linear import Linear
 from .embedding import Embedding

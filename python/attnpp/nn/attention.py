@@ -153,6 +153,8 @@ class Attention(Module):
             context_length.
         """
         self_attention = context is None
+        x, context, key_padding_mask = (None if t is None else F.as_ndarray(t, name) for t, name in
+                                        ((x, "x"), (context, "context"), (key_padding_mask, "key_padding_mask")))
         context = self._check(x, context, key_padding_mask)
         batched = x.ndim == 3
         x3, c3 = (x, context) if batched else (x[None], context[None])
@@ -176,7 +178,7 @@ class Attention(Module):
         _core.sdpa_forward(self._heads(attn), lse, self._heads(q), self._heads(k), self._heads(v), *core_args)
         y = attn if self.out_proj is None else self.out_proj(attn)
         y = self.out_drop(y, seed=(base_seed + 1) % 2**64 if dropping else None)
-        self._ctx = dict(qkv=(q, k, v), attn=attn, lse=lse, core_args=core_args, batched=batched,
+        self._save_context(qkv=(q, k, v), attn=attn, lse=lse, core_args=core_args, batched=batched,
                          self_attention=self_attention, out_shape=y.shape if batched else y.shape[1:])
         out = y if batched else y[0]
         if not need_weights:
@@ -186,7 +188,8 @@ class Attention(Module):
 
     # ---------------------------------------------------------------------------------------------- backward
     def backward(self, grad_output):
-        """Gradients of the last ``forward``; runs once per forward.
+        """Gradients of the most recent ``forward`` not yet consumed (one context per forward outside
+        ``attnpp.no_grad()``, consumed last-in first-out: see ``attnpp.nn.Module``).
 
         Args:
             grad_output (ndarray): the output's shape and dtype.
@@ -197,7 +200,7 @@ class Attention(Module):
             Accumulates (+=) into every parameter's ``grad``.
 
         Raises:
-            ValueError: backward before forward (or twice), grad_output of another shape. TypeError: another
+            ValueError: no forward context left, grad_output of another shape than its forward's output. TypeError: another
             dtype.
         """
         ctx = self._consume_context(grad_output)

@@ -16,7 +16,8 @@ class Dropout(Module):
     mask.
 
     Raises:
-        TypeError/ValueError: p not a float in [0, 1); ValueError: backward before forward.
+        TypeError/ValueError: p not a float in [0, 1); ValueError: backward with no forward context left
+        (see ``attnpp.nn.Module``).
     """
 
     def __init__(self, p=0.5):
@@ -25,11 +26,11 @@ class Dropout(Module):
         self.last_seed = None
 
     def forward(self, input, *, seed=None):
-        F.check_array(input, "input")
+        input = F.check_array(input, "input")
         seed = check_seed(seed) if self.training and self.p > 0 else None
         out = F.dropout(input, self.p, seed is not None, seed=seed)  # (state changes only once this succeeded)
         self.last_seed = seed
-        self._ctx = dict(out_shape=input.shape, dtype=input.dtype, seed=seed)
+        self._save_context(out_shape=input.shape, dtype=input.dtype, seed=seed)
         return out
 
     def backward(self, grad_output):

@@ -19,8 +19,8 @@ class Embedding(Module):
         ``weight.grad`` (repeated indices add up) and returns None (indices have no gradient).
 
     Raises:
-        TypeError: non-integer indices. IndexError: an index outside [0, V). ValueError: backward before
-        forward, or a grad_output of another shape.
+        TypeError: non-integer indices. IndexError: an index outside [0, V). ValueError: backward with no
+        forward context left (see ``attnpp.nn.Module``), or a grad_output of another shape.
     """
 
     def __init__(self, num_embeddings, embedding_dim, dtype=None):
@@ -32,11 +32,11 @@ class Embedding(Module):
 
     def forward(self, input):
         out = F.embedding(input, self.weight.data)
-        self._ctx = dict(input=input, out_shape=out.shape)
+        self._save_context(input=input, out_shape=out.shape)
         return out
 
     def backward(self, grad_output):
-        F.embedding_backward(grad_output, self._consume_context(grad_output)["input"], self.weight.grad)
+        F.embedding_backward(grad_output, self._consume_context(grad_output)["input"], self.weight.grad_buffer())
 
     def extra_repr(self):
         return f"{self.num_embeddings}, {self.embedding_dim}"

@@ -23,7 +23,7 @@ class Linear(Module):
 
     Raises:
         TypeError: input of another dtype than the layer's. ValueError: last dimension not Fin;
-        backward before forward, or twice for one forward.
+        backward with no forward context left (one per forward, consumed last-in first-out: see ``Module``).
     """
 
     def __init__(self, in_features, out_features, bias=True, dtype=None):
@@ -38,19 +38,19 @@ class Linear(Module):
 
     def forward(self, input):
         """input (*, Fin) -> (*, Fout)."""
-        F.check_array(input, "input", min_ndim=1, dtype=self.dtype)
+        input = F.check_array(input, "input", min_ndim=1, dtype=self.dtype)
         if input.shape[-1] != self.in_features:
             raise ValueError(f"input: last dimension must be in_features={self.in_features}, got shape "
                              f"{input.shape}")
         out = F._linear(input, self.weight.data, None if self.bias is None else self.bias.data)
-        self._ctx = dict(input=input, out_shape=out.shape)
+        self._save_context(input=input, out_shape=out.shape)
         return out
 
     def backward(self, grad_output):
         """grad_output (*, Fout) -> grad_input (*, Fin); accumulates into weight.grad and bias.grad."""
         x = self._consume_context(grad_output)["input"]
-        return F._linear_backward(grad_output, x, self.weight.data, self.weight.grad,
-                                  None if self.bias is None else self.bias.grad)
+        return F._linear_backward(grad_output, x, self.weight.data, self.weight.grad_buffer(),
+                                  None if self.bias is None else self.bias.grad_buffer())
 
     def extra_repr(self):
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"

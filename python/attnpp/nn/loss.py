@@ -14,8 +14,8 @@ class CrossEntropyLoss(Module):
     of the loss's shape and the input's dtype. See ``attnpp.functional.cross_entropy`` for the errors raised.
 
     Raises:
-        TypeError: ignore_index not an int. ValueError: an unknown reduction; backward before forward (or
-        twice), a grad_output of another shape than the loss's (TypeError: of another type or dtype; a refused
+        TypeError: ignore_index not an int. ValueError: an unknown reduction; backward with no forward context left
+        (see ``attnpp.nn.Module``), a grad_output of another shape than the loss's (TypeError: of another type or dtype; a refused
         backward leaves the forward's context for a correct retry).
     """
 
@@ -23,21 +23,16 @@ class CrossEntropyLoss(Module):
         super().__init__()
         self.ignore_index = F.check_ignore_index(ignore_index)
         self.reduction = F.check_reduction(reduction)
-        self._ctx = None
 
     def forward(self, input, target):
         loss, stats = F.cross_entropy_forward(input, target, self.ignore_index, self.reduction)
-        self._ctx = (input, target, stats, loss.shape)
+        self._save_context(input=input, target=target, stats=stats, out_shape=loss.shape)
         return loss
 
     def backward(self, grad_output=1.0):
-        ctx = self._ctx
-        if ctx is None:
-            raise ValueError("backward: call forward first (in this thread; backward runs once per forward)")
-        input, target, stats, loss_shape = ctx
-        F.check_loss_grad(grad_output, input.dtype, loss_shape)
-        self._ctx = None
-        return F.cross_entropy_backward(grad_output, input, target, stats, self.ignore_index, self.reduction)
+        ctx = self._consume_context(grad_output, lambda g, c: F.check_loss_grad(g, c["input"].dtype, c["out_shape"]))
+        return F.cross_entropy_backward(grad_output, ctx["input"], ctx["target"], ctx["stats"], self.ignore_index,
+                                        self.reduction)
 
     def extra_repr(self):
         return f"ignore_index={self.ignore_index}, reduction={self.reduction!r}"

@@ -1,12 +1,22 @@
 """The layer base class: parameters, gradients, modes and state dicts, as in torch.nn.Module."""
 import functools
 import threading
+import warnings
+from collections import namedtuple
 from collections.abc import Mapping
 
 import numpy as np
 
-from .._core import Parameter
 from ..functional import check_array
+from ..grad_mode import is_grad_enabled
+from .parameter import Parameter
+
+# what load_state_dict(strict=False) returns, as PyTorch's
+IncompatibleKeys = namedtuple("IncompatibleKeys", ["missing_keys", "unexpected_keys"])
+
+# a layer with this many contexts saved and not consumed, in one thread, warns once (forwards outside no_grad
+# whose backward never comes: evaluation loops, generation)
+PENDING_CONTEXTS_WARNING = 1000
 
 _DTYPES = {np.dtype(np.float32): np.float32, np.dtype(np.float64): np.float64}
 
@@ -43,6 +53,23 @@ def _serialized(method):
     return call
 
 
+def _serialized_forward(method):
+    """A forward run under the layer's lock that, when it raises, drops the contexts its sub-layers saved (a
+    composite layer that failed half-way leaves no context behind that no backward would consume)."""
+    @functools.wraps(method)
+    def call(self, *args, **kwargs):
+        with self._lock:
+            depths = [(m, len(m._contexts)) for m in self.modules()]
+            try:
+                return method(self, *args, **kwargs)
+            except BaseException:
+                for m, depth in depths:
+                    del m._contexts[depth:]
+                raise
+    call.serialized = True
+    return call
+
+
 class Module:
     """Base class of attnpp's layers.
 
@@ -50,38 +77,59 @@ class Module:
     attribute assignment, implement ``forward(...)`` and ``backward(grad_output)``; ``backward`` returns the
     gradients of the inputs and accumulates (+=) into each parameter's ``grad``.
 
+    Contexts (the rule of every layer): each forward run with gradients enabled (outside ``attnpp.no_grad()``, in
+    training and evaluation mode alike, as PyTorch records its graph in both) saves what its backward needs as a
+    context of its own. ``backward(grad_output)`` consumes the most recent context not yet consumed: backwards
+    run in the reverse order of the forwards, as reverse-mode differentiation runs, so a layer applied twice
+    (weight sharing) gets both contributions summed in its parameters' ``grad``. A backward with no context left,
+    or a ``grad_output`` whose shape is not its context's output's, raises ValueError (the context stays for a
+    correct retry). Forwards under ``attnpp.no_grad()`` save nothing and leave the saved contexts as they are.
+    Contexts that no backward consumes are memory held: a layer with 1000 of them in one thread warns once.
+
     Threads: a layer may be called from several Python threads. Its ``forward`` and ``backward`` calls take turns
     (a lock per layer; different layers run at the same time, the core releasing the GIL), so gradients
-    accumulate without lost updates; and each thread's ``backward`` uses what that thread's last ``forward``
-    saved, whatever other threads did in between.
+    accumulate without lost updates; and each thread has its own contexts: a thread's ``backward`` consumes what
+    that thread's forwards saved, whatever other threads did in between.
     """
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
-        for name in ("forward", "backward"):
+        for name, wrap in (("forward", _serialized_forward), ("backward", _serialized)):
             method = cls.__dict__.get(name)
             if method is not None and not getattr(method, "serialized", False):
-                setattr(cls, name, _serialized(method))
+                setattr(cls, name, wrap(method))
 
     def __init__(self, dtype=None):
         object.__setattr__(self, "_parameters", {})
         object.__setattr__(self, "_modules", {})
         object.__setattr__(self, "_buffers", {})
         object.__setattr__(self, "_lock", threading.RLock())
-        object.__setattr__(self, "_local", threading.local())  # holds _ctx, one per thread
+        object.__setattr__(self, "_local", threading.local())  # holds this thread's contexts
         self.dtype = check_dtype(dtype)
         self.training = True
 
     @property
-    def _ctx(self):
-        """What this thread's last forward saved for its backward (None when consumed or never made)."""
-        return getattr(self._local, "ctx", None)
+    def _contexts(self):
+        """This thread's saved contexts, oldest first (see "Contexts" in the class docstring)."""
+        local = self._local
+        if not hasattr(local, "contexts"):
+            local.contexts, local.warned = [], False
+        return local.contexts
 
-    @_ctx.setter
-    def _ctx(self, value):
-        self._local.ctx = value
+    def _save_context(self, **ctx):
+        """Save a context for the backward (a dict with the user-visible ``out_shape`` and, when it is not the
+        layer's, the output ``dtype``), unless gradients are disabled."""
+        if not is_grad_enabled():
+            return
+        contexts = self._contexts
+        contexts.append(ctx)
+        if len(contexts) >= PENDING_CONTEXTS_WARNING and not self._local.warned:
+            self._local.warned = True
+            warnings.warn(f"{type(self).__name__}: {len(contexts)} forwards saved a context that no backward "
+                          f"consumed; run forwards that need no backward under attnpp.no_grad()",
+                          ResourceWarning, stacklevel=3)
 
-    def __getstate__(self):  # (copy and pickle: a lock and thread-local state are not copied)
+    def __getstate__(self):  # (copy and pickle: a lock and contexts are not copied)
         state = self.__dict__.copy()
         del state["_lock"], state["_local"]
         return state
@@ -98,7 +146,7 @@ class Module:
 
     def register_parameter(self, name, shape):
         """Create a zeroed parameter of ``shape`` in the layer's dtype, reachable as ``self.<name>``."""
-        param = Parameter(list(shape), self.dtype)
+        param = Parameter(np.zeros(shape, self.dtype))
         self._parameters[name] = param
         object.__setattr__(self, name, param)
         return param
@@ -128,19 +176,31 @@ class Module:
         for mname, m in self._modules.items():
             yield from m._named_state(prefix + mname + ".")
 
-    def _consume_context(self, grad_output):
-        """The context the last forward saved (a dict with the user-visible ``out_shape`` and, when it is not the
-        layer's, the output ``dtype``), after checking
-        ``grad_output`` against it; a refused call leaves it in place for a correct retry."""
-        ctx = self._ctx
-        if ctx is None:
-            raise ValueError("backward: call forward first (in this thread; backward runs once per forward)")
-        check_array(grad_output, "grad_output", dtype=ctx.get("dtype", self.dtype))
-        if grad_output.shape != ctx["out_shape"]:
-            raise ValueError(f"grad_output: expected the output's shape {ctx['out_shape']}, got "
-                             f"{grad_output.shape}")
-        self._ctx = None
+    def _consume_context(self, grad_output, check=None):
+        """The most recent context not yet consumed, after checking ``grad_output`` against it (with
+        ``check(grad_output, ctx)`` when given; by default an array of the context's ``out_shape`` and dtype);
+        a refused call leaves it in place for a correct retry."""
+        contexts = self._contexts
+        if not contexts:
+            raise ValueError(f"{type(self).__name__}.backward: no forward context left to consume in this thread "
+                             f"(each backward consumes one forward run outside attnpp.no_grad(), most recent "
+                             f"first)")
+        ctx = contexts[-1]
+        if check is not None:
+            check(grad_output, ctx)
+        else:
+            check_array(grad_output, "grad_output", dtype=ctx.get("dtype", self.dtype))
+            if grad_output.shape != ctx["out_shape"]:
+                raise ValueError(f"grad_output: expected the output's shape {ctx['out_shape']} (of the most recent "
+                                 f"forward not yet consumed), got {grad_output.shape}")
+        contexts.pop()
         return ctx
+
+    def modules(self):
+        """Yield this layer and every sub-layer, recursively (as ``torch.nn.Module.modules``)."""
+        yield self
+        for m in self._modules.values():
+            yield from m.modules()
 
     def __call__(self, *args, **kwargs):
         return self.forward(*args, **kwargs)
@@ -157,10 +217,11 @@ class Module:
         for _, p in self.named_parameters():
             yield p
 
-    def zero_grad(self):
-        """Set every parameter's gradient to zero."""
+    def zero_grad(self, set_to_none=True):
+        """Reset every parameter's gradient: to None (default, as PyTorch), or to zeros with
+        ``set_to_none=False``."""
         for p in self.parameters():
-            p.zero_grad()
+            p.zero_grad(set_to_none)
 
     def train(self, mode=True):
         """Training mode (dropout active) for this layer and its sub-layers; returns self."""
@@ -188,6 +249,10 @@ class Module:
                 buffers).
             strict (bool): refuse missing and unexpected keys. Default: True.
 
+        Returns:
+            ``IncompatibleKeys(missing_keys, unexpected_keys)``, two lists of names, as PyTorch's (empty when
+            strict, which raises instead).
+
         Raises:
             ValueError: missing or unexpected keys (when strict), or a value of another shape.
             TypeError: a state_dict that is not a mapping, a value that is not an array or tensor, or not of a
@@ -213,9 +278,17 @@ class Module:
             values[name] = v
         for name, v in values.items():
             own[name][...] = v
+        return IncompatibleKeys(missing, unexpected)
 
     def __repr__(self):
-        return f"{type(self).__name__}({self.extra_repr()})"
+        """PyTorch's layout: the layer's own arguments, then each sub-layer on its own line, indented."""
+        children = [f"({name}): " + repr(m).replace("\n", "\n  ") for name, m in self._modules.items()]
+        extra = self.extra_repr()
+        if not children:
+            return f"{type(self).__name__}({extra})"
+        lines = (extra.split("\n") if extra else []) + children
+        return f"{type(self).__name__}(\n  " + "\n  ".join(lines) + "\n)"
 
     def extra_repr(self):
+        """The layer's arguments for ``repr`` (those that differ from their defaults, where the layer says)."""
         return ""

@@ -81,20 +81,17 @@ class MultiheadAttention(Module):
         self.last_seed = None  # the dropout seed of the last forward (None when it had no dropout)
 
     # ----------------------------------------------------------------------------------------------- helpers
-    def _proj_params(self, i):
-        """(weight, grad_weight, bias, grad_bias) of input projection i (0 query, 1 key, 2 value)."""
+    def _proj_params(self, i, grads=False):
+        """(weight, bias) of input projection i (0 query, 1 key, 2 value), or with ``grads`` their gradient
+        buffers (created zeroed if None); bias None without biases."""
+        value = (lambda p: p.grad_buffer()) if grads else (lambda p: p.data)
         E = self.embed_dim
+        rows = slice(i * E, (i + 1) * E)
         if self._qkv_same_embed_dim:
-            w = self.in_proj_weight
-            rows = slice(i * E, (i + 1) * E)
-            weight, grad_weight = w.data[rows], w.grad[rows]
+            weight = value(self.in_proj_weight)[rows]
         else:
-            w = (self.q_proj_weight, self.k_proj_weight, self.v_proj_weight)[i]
-            weight, grad_weight = w.data, w.grad
-        if self.in_proj_bias is None:
-            return weight, grad_weight, None, None
-        b = slice(i * E, (i + 1) * E)
-        return weight, grad_weight, self.in_proj_bias.data[b], self.in_proj_bias.grad[b]
+            weight = value((self.q_proj_weight, self.k_proj_weight, self.v_proj_weight)[i])
+        return weight, None if self.in_proj_bias is None else value(self.in_proj_bias)[rows]
 
     def _heads(self, x, bf):
         """(B, T, E) (batch first) or (T, B, E) as a (B, H, T, D) view, no copy."""
@@ -177,6 +174,9 @@ class MultiheadAttention(Module):
             TypeError: inputs or masks of another dtype than the layer's (masks may be bool).
             ValueError: shapes that do not agree (named with their shapes), is_causal without attn_mask.
         """
+        query, key, value, key_padding_mask, attn_mask = (
+            None if t is None else F.as_ndarray(t, name) for t, name in ((query, "query"), (key, "key"),
+            (value, "value"), (key_padding_mask, "key_padding_mask"), (attn_mask, "attn_mask")))
         batched, bf, B, L, S = self._check_inputs(query, key, value, key_padding_mask, attn_mask, is_causal)
         dt, H = self.dtype, self.num_heads
         kpm = None if key_padding_mask is None else \
@@ -186,9 +186,9 @@ class MultiheadAttention(Module):
         if is_causal and kpm is None and not need_weights:
             am, causal = None, 1
         q3, k3, v3 = (query, key, value) if batched else (query[None], key[None], value[None])
-        q = F.linear(q3, *self._proj_params(0)[::2])
-        k = F.linear(k3, *self._proj_params(1)[::2])
-        v = F.linear(v3, *self._proj_params(2)[::2])
+        q = F.linear(q3, *self._proj_params(0))
+        k = F.linear(k3, *self._proj_params(1))
+        v = F.linear(v3, *self._proj_params(2))
         # add_bias_kv, add_zero_attn: extra keys/values along the sequence axis, extra mask columns of 0
         extra = []
         if self.bias_k is not None:
@@ -224,7 +224,7 @@ class MultiheadAttention(Module):
         y = self.out_proj(out)
         if need_weights:  # the mean over heads is taken in the core, without the (B, H, L, S) weights
             _core.sdpa_weights(weights, lse, q4, k4, *core_args, average_heads=average_attn_weights)
-        self._ctx = dict(inputs=(q3, k3, v3), proj=(q, k, v, out), lse=lse, core_args=core_args, bf=bf,
+        self._save_context(inputs=(q3, k3, v3), proj=(q, k, v, out), lse=lse, core_args=core_args, bf=bf,
                          batched=batched, S=S, seq_axis=seq_axis, out_shape=y.shape if batched else y.shape[1:])
         if not batched:
             y = y[0]
@@ -233,7 +233,8 @@ class MultiheadAttention(Module):
 
     # ---------------------------------------------------------------------------------------------- backward
     def backward(self, grad_output):
-        """Gradients of the last ``forward``'s ``attn_output``; runs once per forward.
+        """Gradients of ``attn_output`` of the most recent ``forward`` not yet consumed (one context per forward
+        outside ``attnpp.no_grad()``, consumed last-in first-out: see ``attnpp.nn.Module``).
 
         Args:
             grad_output (ndarray): the shape of ``attn_output``, the layer's dtype.
@@ -244,7 +245,7 @@ class MultiheadAttention(Module):
             parameters' ``grad``.
 
         Raises:
-            ValueError: backward before forward (or twice), grad_output of another shape.
+            ValueError: no forward context left, grad_output of another shape than its forward's output.
             TypeError: grad_output of another dtype.
         """
         ctx = self._consume_context(grad_output)
@@ -257,13 +258,12 @@ class MultiheadAttention(Module):
                             *(self._heads(x, bf) for x in (q, k, v)), *ctx["core_args"])
         S, axis = ctx["S"], ctx["seq_axis"]
         if self.bias_k is not None:  # the appended bias_k / bias_v row, shared by the whole batch
-            self.bias_k.grad[...] += np.take(dk, [S], axis=axis).sum(axis=1 - axis).reshape(1, 1, -1)
-            self.bias_v.grad[...] += np.take(dv, [S], axis=axis).sum(axis=1 - axis).reshape(1, 1, -1)
+            self.bias_k.grad_buffer()[...] += np.take(dk, [S], axis=axis).sum(axis=1 - axis).reshape(1, 1, -1)
+            self.bias_v.grad_buffer()[...] += np.take(dv, [S], axis=axis).sum(axis=1 - axis).reshape(1, 1, -1)
         dk, dv = (np.take(d, np.arange(S), axis=axis) for d in (dk, dv))
         grads = []
         for i, (x, d) in enumerate(((q3, dq), (k3, dk), (v3, dv))):
-            w, gw, _, gb = self._proj_params(i)
-            grads.append(F._linear_backward(d, x, w, gw, gb))
+            grads.append(F._linear_backward(d, x, self._proj_params(i)[0], *self._proj_params(i, grads=True)))
         return tuple(grads) if ctx["batched"] else tuple(g[0] for g in grads)
 
     def extra_repr(self):
