@@ -364,6 +364,8 @@ def test_multihead_attention_gradients_accumulate():
         np.testing.assert_allclose(p.grad, 2 * once[n], rtol=1e-14, atol=1e-14)
     for a, b in zip(g1, g2):
         np.testing.assert_array_equal(a, b)
-    mha.zero_grad()
+    mha.zero_grad(set_to_none=False)
     for p in mha.parameters():
         np.testing.assert_array_equal(p.grad, 0.0)
+    mha.zero_grad()
+    assert all(p.grad is None for p in mha.parameters())

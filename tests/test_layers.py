@@ -44,9 +44,16 @@ def test_parameters_share_memory():
     w = lin.weight.data
     w[...] = 1.5
     assert (lin.weight.data == 1.5).all() and np.shares_memory(w, lin.weight.data)
-    lin.weight.grad[...] = 2.0
+    assert lin.weight.grad is None  # (as PyTorch: no gradient before a backward)
+    lin.weight.grad = np.full((2, 3), 2.0)
+    g = lin.weight.grad
+    lin.weight.grad = np.full((2, 3), 3.0)  # assignment copies into the existing buffer
+    assert g is lin.weight.grad and (g == 3.0).all()
+    lin.zero_grad(set_to_none=False)
+    assert g is lin.weight.grad and (g == 0).all()
     lin.zero_grad()
-    assert (lin.weight.grad == 0).all()
+    assert lin.weight.grad is None
+    assert np.asarray(lin.weight) is lin.weight.data and lin.weight.numpy() is lin.weight.data
     sd = lin.state_dict()
     assert set(sd) == {"weight", "bias"} and np.shares_memory(sd["weight"], lin.weight.data)
 

@@ -26,7 +26,6 @@ error messages seen (digits as #), which show which of the binding's checks the 
 """
 import argparse
 import collections
-import gc
 import json
 import math
 import os
@@ -50,7 +49,6 @@ FUNCTIONS = {  # name: relative frequency
     "empty": 1, "empty_cache": 0.3, "dropout_mask": 1, "dropout_forward": 1, "dropout_backward": 1,
     "embedding_forward": 1, "embedding_backward": 1, "cross_entropy_forward": 1.2, "cross_entropy_backward": 1.2,
     "sgd_step": 1, "adamw_step": 1, "set_num_threads": 0.5, "get_num_threads": 0.2,
-    "Parameter": 0.8, "Parameter.data": 0.8, "Parameter.grad": 0.8,
 }
 ALLOWED = (TypeError, ValueError, IndexError, MemoryError, OverflowError)
 F32, F64 = np.dtype(np.float32), np.dtype(np.float64)
@@ -857,22 +855,6 @@ def gen_optim(rng, call, which):
                     ("wrong_result", check_close("param", lambda: param.view.ravel(), ref, dt))]
 
 
-def gen_param(rng, call, attr):
-    shape = rand_shape(rng, max_ndim=3, max_size=500)
-    dtype = F32 if chance(rng, 0.5) else F64
-    call.add("shape", "shape", shape)
-    call.add("dtype", "dtype", dtype)
-    if attr:
-        op = "set" if chance(rng, 0.75) else "get"
-        vdt = pick(rng, [dtype, dtype, F64, F32, np.dtype(np.int64)])
-        vals = rand_values(rng, shape, vdt)
-        value = mk_in(rng, vals, layout_strided(rng, shape, last_contiguous=False, allow_zero=True)
-                      if shape else layout_C(rng)) if chance(rng, 0.85) or not vals.size else vals.tolist()
-        call.add("value", "value", value, shape=tuple(shape), dtype=dtype, role="in")
-        call.add("op", "op", op)
-        call.param_ref = np.asarray(value.values if isinstance(value, Arr) else vals, dtype)
-
-
 def generate(seed, index, functions, no_huge=False):
     rng = np.random.default_rng([seed, index])
     names = sorted(functions)
@@ -900,8 +882,6 @@ def generate(seed, index, functions, no_huge=False):
         call.add("n", "threads", pick(rng, [1, 2, 3, 4, 8]))
     elif fn == "get_num_threads":
         pass
-    elif fn.startswith("Parameter"):
-        gen_param(rng, call, fn[10:])
     r = rng.random()
     nmut = 0 if r < 0.35 else 1 if r < 0.75 else 2
     for _ in range(nmut):
@@ -1161,27 +1141,6 @@ def mutate_dtype(rng, call, slot):
     return f"{slot.name} = {describe(v)}"
 
 
-def mutate_value(rng, call, slot):
-    """Parameter.data/grad assignment: a wrong shape or dtype, or not an array at all."""
-    shape = slot.spec["shape"]
-    op = pick(rng, ["shape", "dtype", "nonarray", "ragged", "scalar", "array"])
-    if op == "shape":
-        sh = list(shape) + [2] if chance(rng, 0.5) or not shape else list(shape)[:-1]
-        v = mk_in(rng, rand_values(rng, sh, F64))
-    elif op == "dtype":
-        v = mk_in(rng, rand_values(rng, shape, pick(rng, [np.complex128, object, np.bool_, np.int64, "U3"])))
-    elif op == "nonarray":
-        v = non_array(rng, pick(rng, NON_ARRAYS))
-    elif op == "ragged":
-        v = [[1.0], [1.0, 2.0]]
-    elif op == "scalar":
-        v = 1.5
-    else:
-        v = mutate_layout(rng, mk_in(rng, rand_values(rng, shape, F64))) if shape else np.float64(1)
-    slot.value = v
-    return f"value: {op} -> {describe(v)[:120]}"
-
-
 def mutate_masks(rng, call, slot):
     masks = slot.value
     info = call.sdpa
@@ -1320,8 +1279,8 @@ def mutate(rng, call):
         call.add("extra", "extra", extra)
         call.mutations.append(f"extra argument {describe(extra)}")
         return
-    weights = np.array([{"masks": 3.0, "arr": 1.0, "optarr": 1.0, "index": 2.0, "shape": 2.0, "dtype": 1.0,
-                         "value": 2.0}.get(s.kind, 0.6) for s in call.slots])
+    weights = np.array([{"masks": 3.0, "arr": 1.0, "optarr": 1.0, "index": 2.0, "shape": 2.0,
+                         "dtype": 1.0}.get(s.kind, 0.6) for s in call.slots])
     slot = call.slots[int(rng.choice(len(call.slots), p=weights / weights.sum()))]
     if slot.kind in ("arr", "optarr"):
         what = mutate_array(rng, call, slot)
@@ -1333,8 +1292,6 @@ def mutate(rng, call):
         what = mutate_shape_list(rng, call, slot)
     elif slot.kind == "dtype":
         what = mutate_dtype(rng, call, slot)
-    elif slot.kind == "value":
-        what = mutate_value(rng, call, slot)
     elif slot.kind == "extra":
         what = "extra"
     else:
@@ -1386,45 +1343,6 @@ def invoke(core, call, args):
         if call.valid and (tuple(res.shape) != tuple(args[0]) or res.dtype != args[1]):
             call.observed.append(("wrong_result", f"empty: got {res.shape} {res.dtype}"))
         del res
-        return None
-    if fn.startswith("Parameter"):
-        shape, dtype = args[0], args[1]
-        p = core.Parameter(shape, dtype)
-        if fn == "Parameter":
-            d, g = p.data, p.grad
-            if call.valid and (d.shape != tuple(shape) or d.dtype != dtype or (d != 0).any() or (g != 0).any()):
-                call.observed.append(("wrong_result", f"Parameter: data {d.shape} {d.dtype} not zero"))
-            d[...] = 1.5
-            g[...] = 2
-            if (p.data != 1.5).any() or (p.grad != 2).any():
-                call.observed.append(("wrong_result", "Parameter: writes through .data/.grad not seen"))
-            p.zero_grad()
-            if (g != 0).any():
-                call.observed.append(("wrong_result", "Parameter: zero_grad"))
-            if d.size < 200:
-                repr(p)
-            if tuple(p.shape) != tuple(shape) or p.dtype != dtype:
-                call.observed.append(("wrong_result", "Parameter: shape/dtype"))
-            del p
-            gc.collect()
-            d[...] = 3  # the views keep the parameter alive
-            g.sum()
-            return None
-        attr = fn.split(".")[1]
-        if len(args) > 3 and args[3] == "get":
-            a = getattr(p, attr)
-            a[...] = 1
-            del p
-            gc.collect()
-            a.sum()
-            return None
-        setattr(p, attr, *args[2:3])
-        if len(args) > 4:
-            raise TypeError("extra argument ignored by the invoker")  # keeps the counts honest
-        if call.valid:
-            got = getattr(p, attr)
-            if not np.array_equal(got, call.param_ref):
-                call.observed.append(("wrong_result", f"Parameter.{attr}: value not copied in"))
         return None
     return getattr(core, fn)(*args)
 
@@ -1485,7 +1403,7 @@ def execute(core, call):
                     findings.append((kind, msg))
     if exc is None:
         unaligned = [a for a in arrs if a.base is not None and a.unaligned and a.view.size and a.view.ndim]
-        if unaligned and not call.fn.startswith("Parameter"):  # (Parameter copies with np.copyto)
+        if unaligned:
             notes.append(("accepted_unaligned", f"{call.fn}: an unaligned array was accepted"))
         for s in call.slots:  # an optional array given as a list etc. is converted by the binding to a temporary
             if s.kind == "optarr" and s.value is not None and not isinstance(s.value, (Arr, np.ndarray)):

@@ -6,7 +6,8 @@ checked against PyTorch. See ``attnpp.functional`` (stateless functions) and ``a
 import numbers
 
 from ._core import get_num_threads
-from ._seeds import manual_seed
+from ._seeds import get_rng_state, manual_seed, set_rng_state
+from .grad_mode import enable_grad, is_grad_enabled, no_grad
 from . import _core, functional, nn, optim
 
 
@@ -71,6 +72,6 @@ def empty_cache():
     return _core.empty_cache()
 
 
-__all__ = ["functional", "nn", "optim", "manual_seed", "set_num_threads", "get_num_threads", "empty_cache",
-           "cpu_capability", "show_config"]
+__all__ = ["functional", "nn", "optim", "manual_seed", "get_rng_state", "set_rng_state", "no_grad", "enable_grad",
+           "is_grad_enabled", "set_num_threads", "get_num_threads", "empty_cache", "cpu_capability", "show_config"]
 __version__ = "0.1.0"

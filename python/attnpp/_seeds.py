@@ -1,4 +1,6 @@
 """attnpp's global random state: parameter initialisation and the dropout seeds drawn when none is given."""
+import copy
+
 import numpy as np
 
 _generator = np.random.default_rng()
@@ -37,3 +39,24 @@ def check_seed(seed, name="seed"):
     if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)):
         raise TypeError(f"{name}: expected an int or None, got {type(seed).__name__}")
     return int(seed) % 2**64
+
+
+def get_rng_state():
+    """The state of attnpp's global generator (a dict, NumPy's ``bit_generator.state``), as
+    ``torch.get_rng_state``: save it with a checkpoint so that a resumed run draws the same initialisations
+    and dropout seeds as the uninterrupted one."""
+    return copy.deepcopy(_generator.bit_generator.state)
+
+
+def set_rng_state(state):
+    """Restore attnpp's global generator from ``get_rng_state()``'s dict, as ``torch.set_rng_state``.
+
+    Raises:
+        TypeError: not such a dict. ValueError: a state of another bit generator than PCG64.
+    """
+    if not isinstance(state, dict):
+        raise TypeError(f"set_rng_state: expected the dict of get_rng_state(), got {type(state).__name__}")
+    generator = np.random.default_rng()
+    generator.bit_generator.state = copy.deepcopy(state)
+    global _generator
+    _generator = generator

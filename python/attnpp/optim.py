@@ -1,4 +1,11 @@
-"""Optimizers with PyTorch's update rules, run in the C++ core on each parameter's buffers in place."""
+"""Optimizers with PyTorch's update rules, run in the C++ core on each parameter's buffers in place.
+
+As in ``torch.optim``: parameters in ``param_groups`` (a list of dicts holding ``params`` and the
+hyper-parameters, which may be changed between steps, as learning-rate schedules do), per-parameter ``state``,
+``state_dict()``/``load_state_dict()`` for checkpoints, ``zero_grad(set_to_none=True)``. Parameters whose
+``grad`` is None are skipped by ``step`` (no update, no state change).
+"""
+import copy
 import math
 import numbers
 
@@ -6,33 +13,7 @@ import numpy as np
 
 from . import _core
 from .nn import Parameter
-
-
-class Optimizer:
-    """Base class: holds the parameters (``attnpp.nn.Parameter``) and their per-parameter state."""
-
-    def __init__(self, params, defaults):
-        if isinstance(params, (Parameter, np.ndarray)) or not hasattr(params, "__iter__"):
-            hint = " (pass layer.parameters())" if hasattr(params, "parameters") else ""
-            raise TypeError(f"params: expected an iterable of attnpp.nn.Parameter, got {type(params).__name__}"
-                            f"{hint}")
-        self.params = list(params)
-        if not self.params:
-            raise ValueError("params: optimizer got an empty parameter list")
-        for p in self.params:
-            if not isinstance(p, Parameter):
-                raise TypeError(f"params: expected attnpp.nn.Parameter, got {type(p).__name__}")
-        if len({id(p) for p in self.params}) != len(self.params):
-            raise ValueError("params: a parameter appears more than once (it would be updated twice per step)")
-        for name, value in defaults.items():
-            _check_hyper(value, name)
-        self.defaults = defaults
-        self.state = [dict() for _ in self.params]
-
-    def zero_grad(self):
-        """Set every parameter's gradient to zero."""
-        for p in self.params:
-            p.zero_grad()
+from .nn.module import to_numpy
 
 
 def _check_hyper(value, name):
@@ -44,6 +25,139 @@ def _check_hyper(value, name):
     return float(value)
 
 
+class Optimizer:
+    """Base class, as ``torch.optim.Optimizer``: ``param_groups``, ``state``, ``zero_grad``, ``state_dict``,
+    ``load_state_dict``, ``add_param_group``.
+
+    Args:
+        params: an iterable of ``attnpp.nn.Parameter``, or of dicts ``{"params": [...], "lr": ..., ...}`` (one
+            parameter group each, its own hyper-parameters overriding the defaults).
+        defaults (dict): the hyper-parameters of groups that do not set them.
+    """
+
+    def __init__(self, params, defaults):
+        if isinstance(params, (Parameter, np.ndarray, dict)) or not hasattr(params, "__iter__"):
+            hint = " (pass layer.parameters())" if hasattr(params, "parameters") else ""
+            raise TypeError(f"params: expected an iterable of attnpp.nn.Parameter or of dicts, got "
+                            f"{type(params).__name__}{hint}")
+        groups = list(params)
+        if not groups:
+            raise ValueError("params: optimizer got an empty parameter list")
+        if not isinstance(groups[0], dict):
+            groups = [{"params": groups}]
+        self.defaults = dict(defaults)
+        self._check_group(self.defaults)
+        self.param_groups = []
+        self.state = {}  # {Parameter: {name: value}}
+        for group in groups:
+            self.add_param_group(group)
+
+    def add_param_group(self, param_group):
+        """Add a group of parameters with its own hyper-parameters (the defaults fill the others), as PyTorch.
+
+        Raises:
+            TypeError: a group that is not a dict, parameters that are not ``attnpp.nn.Parameter``, a
+            hyper-parameter of the wrong type. ValueError: a parameter already in a group (it would be updated
+            twice per step), an empty group, a hyper-parameter out of range, an unknown one.
+        """
+        if not isinstance(param_group, dict):
+            raise TypeError(f"param_group: expected a dict, got {type(param_group).__name__}")
+        params = param_group.get("params")
+        params = [params] if isinstance(params, Parameter) else list(params) if params is not None else []
+        if not params:
+            raise ValueError("params: optimizer got an empty parameter list")
+        for p in params:
+            if not isinstance(p, Parameter):
+                raise TypeError(f"params: expected attnpp.nn.Parameter, got {type(p).__name__}")
+        seen = {id(p) for g in self.param_groups for p in g["params"]}
+        if len({id(p) for p in params}) != len(params) or seen & {id(p) for p in params}:
+            raise ValueError("params: a parameter appears more than once (it would be updated twice per step)")
+        unknown = set(param_group) - set(self.defaults) - {"params"}
+        if unknown:
+            raise ValueError(f"param_group: unknown hyper-parameters {sorted(unknown)} for {type(self).__name__} "
+                             f"(it has {sorted(self.defaults)})")
+        group = dict(self.defaults, **{k: v for k, v in param_group.items() if k != "params"})
+        self._check_group(group)
+        group["params"] = params
+        self.param_groups.append(group)
+
+    def _check_group(self, group):
+        """TypeError/ValueError for a hyper-parameter of ``group`` out of its domain (run at each step too, as
+        a schedule may have changed them)."""
+        for name in ("lr", "momentum", "dampening", "weight_decay", "eps"):
+            if name in group:
+                _check_hyper(group[name], name)
+
+    def zero_grad(self, set_to_none=True):
+        """Reset every parameter's gradient: to None (default, as PyTorch; ``step`` then skips the parameter
+        until a backward gives it a gradient), or to zeros in place with ``set_to_none=False``."""
+        for group in self.param_groups:
+            for p in group["params"]:
+                p.zero_grad(set_to_none)
+
+    def _grouped(self):
+        """Yield (group, param, state) for every parameter that has a gradient, after checking the group."""
+        for group in self.param_groups:
+            self._check_group(group)
+            for p in group["params"]:
+                if p.grad is not None:
+                    yield group, p, self.state.setdefault(p, {})
+
+    def state_dict(self):
+        """The optimizer's state as PyTorch lays it out: ``{"state": {index: {name: value}}, "param_groups":
+        [{hyper-parameters..., "params": [index, ...]}]}``, parameters numbered in group order. The state's
+        arrays are the optimizer's own (as PyTorch's tensors): copy or pickle the dict to keep a snapshot."""
+        index, groups = {}, []
+        for group in self.param_groups:
+            ids = [index.setdefault(id(p), len(index)) for p in group["params"]]
+            groups.append(dict({k: v for k, v in group.items() if k != "params"}, params=ids))
+        state = {index[id(p)]: s for p, s in self.state.items() if s}
+        return {"state": state, "param_groups": groups}
+
+    def load_state_dict(self, state_dict):
+        """Load a ``state_dict()`` (this optimizer's, or one of the same layout; arrays or torch tensors),
+        copying its values: hyper-parameters per group, and each parameter's state in the parameter's dtype.
+
+        Raises:
+            TypeError: not a dict with "state" and "param_groups". ValueError: another number of groups or of
+            parameters in a group, a state array of another shape than its parameter's.
+        """
+        if not isinstance(state_dict, dict) or not {"state", "param_groups"} <= set(state_dict):
+            raise TypeError("state_dict: expected a dict with 'state' and 'param_groups' (an optimizer's "
+                            "state_dict())")
+        saved = state_dict["param_groups"]
+        if len(saved) != len(self.param_groups) or any(len(s["params"]) != len(g["params"])
+                                                       for s, g in zip(saved, self.param_groups)):
+            raise ValueError(f"state_dict: its parameter groups have sizes {[len(s['params']) for s in saved]}, "
+                             f"this optimizer's {[len(g['params']) for g in self.param_groups]}")
+        params = {i: p for s, g in zip(saved, self.param_groups) for i, p in zip(s["params"], g["params"])}
+        state = {}
+        for i, values in state_dict["state"].items():
+            p = params[i]
+            state[p] = {}
+            for name, value in values.items():
+                if name == "step":
+                    state[p][name] = int(to_numpy(value, name) if not isinstance(value, numbers.Number) else value)
+                    continue
+                value = to_numpy(value, f"state[{i}][{name!r}]")
+                if value.shape != p.shape:
+                    raise ValueError(f"state_dict['state'][{i}][{name!r}]: expected shape {p.shape}, got "
+                                     f"{value.shape}")
+                state[p][name] = np.array(value, dtype=p.dtype, order="C")
+        groups = [dict(copy.deepcopy({k: v for k, v in s.items() if k != "params"}), params=g["params"])
+                  for s, g in zip(saved, self.param_groups)]
+        for group in groups:
+            self._check_group(group)
+        self.state, self.param_groups = state, groups
+
+    def __repr__(self):
+        lines = [f"{type(self).__name__} ("]
+        for i, group in enumerate(self.param_groups):
+            lines.append(f"Parameter Group {i}")
+            lines += [f"    {key}: {group[key]}" for key in sorted(group) if key != "params"]
+        return "\n".join(lines + [")"])
+
+
 class SGD(Optimizer):
     """Stochastic gradient descent, as ``torch.optim.SGD``.
 
@@ -51,31 +165,36 @@ class SGD(Optimizer):
     on the first step) and ``d = buf`` (or ``d + momentum * buf`` with Nesterov); ``param -= lr * d``.
 
     Args:
-        params (iterable of Parameter): e.g. ``model.parameters()``.
-        lr (float): learning rate. momentum (float): Default 0. dampening (float): Default 0.
+        params (iterable of Parameter, or of dicts): e.g. ``model.parameters()``, or parameter groups.
+        lr (float): learning rate. Default: 1e-3. momentum (float): Default 0. dampening (float): Default 0.
         weight_decay (float): L2 penalty. Default 0. nesterov (bool): Default False.
+
+    State per parameter: ``momentum_buffer`` (with momentum).
 
     Raises:
         ValueError: a negative or non-finite hyper-parameter, an empty parameter list or one with a parameter
-        twice, Nesterov without momentum.
+        twice, Nesterov without momentum or with dampening.
         TypeError: something other than attnpp parameters, a hyper-parameter that is not a number.
     """
 
-    def __init__(self, params, lr, momentum=0.0, dampening=0.0, weight_decay=0.0, nesterov=False):
-        super().__init__(params, dict(lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay))
-        if nesterov and (momentum <= 0 or dampening != 0):
+    def __init__(self, params, lr=1e-3, momentum=0.0, dampening=0.0, weight_decay=0.0, nesterov=False):
+        super().__init__(params, dict(lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay,
+                                      nesterov=nesterov))
+
+    def _check_group(self, group):
+        super()._check_group(group)
+        if group["nesterov"] and (group["momentum"] <= 0 or group["dampening"] != 0):
             raise ValueError("Nesterov momentum requires a momentum and zero dampening")
-        self.lr, self.momentum, self.dampening = float(lr), float(momentum), float(dampening)
-        self.weight_decay, self.nesterov = float(weight_decay), bool(nesterov)
 
     def step(self):
-        """Update every parameter from its gradient."""
-        for p, state in zip(self.params, self.state):
+        """Update every parameter that has a gradient."""
+        for group, p, state in self._grouped():
             first = "momentum_buffer" not in state
-            if self.momentum != 0 and first:
+            if group["momentum"] != 0 and first:
                 state["momentum_buffer"] = np.zeros(p.shape, p.dtype)
-            _core.sgd_step(p.data, p.grad, state.get("momentum_buffer"), self.lr, self.momentum, self.dampening,
-                           self.weight_decay, self.nesterov, first)
+            _core.sgd_step(p.data, p.grad, state.get("momentum_buffer"), float(group["lr"]),
+                           float(group["momentum"]), float(group["dampening"]), float(group["weight_decay"]),
+                           bool(group["nesterov"]), first)
 
 
 class AdamW(Optimizer):
@@ -86,9 +205,11 @@ class AdamW(Optimizer):
     ``param -= lr / (1 - beta1^t) * m / (sqrt(v) / sqrt(1 - beta2^t) + eps)``.
 
     Args:
-        params (iterable of Parameter): e.g. ``model.parameters()``.
+        params (iterable of Parameter, or of dicts): e.g. ``model.parameters()``, or parameter groups.
         lr (float): Default 1e-3. betas (float, float): Default (0.9, 0.999). eps (float): Default 1e-8.
         weight_decay (float): Default 1e-2.
+
+    State per parameter: ``step`` (int), ``exp_avg``, ``exp_avg_sq``.
 
     Raises:
         ValueError: a negative or non-finite hyper-parameter, betas outside [0, 1), an empty parameter list or
@@ -97,7 +218,11 @@ class AdamW(Optimizer):
     """
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2):
-        super().__init__(params, dict(lr=lr, eps=eps, weight_decay=weight_decay))
+        super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
+
+    def _check_group(self, group):
+        super()._check_group(group)
+        betas = group["betas"]
         if not isinstance(betas, (tuple, list)):
             raise TypeError(f"betas: expected two floats in [0, 1), got {type(betas).__name__}")
         if len(betas) != 2:
@@ -107,14 +232,14 @@ class AdamW(Optimizer):
                 raise TypeError(f"betas: expected two floats in [0, 1), got {betas!r}")
         if not all(0.0 <= b < 1.0 for b in betas):
             raise ValueError(f"betas must be two floats in [0, 1), got {betas}")
-        self.lr, self.betas, self.eps, self.weight_decay = float(lr), tuple(map(float, betas)), float(eps), \
-            float(weight_decay)
 
     def step(self):
-        """Update every parameter from its gradient."""
-        for p, state in zip(self.params, self.state):
+        """Update every parameter that has a gradient."""
+        for group, p, state in self._grouped():
             if not state:
                 state.update(step=0, exp_avg=np.zeros(p.shape, p.dtype), exp_avg_sq=np.zeros(p.shape, p.dtype))
             state["step"] += 1
-            _core.adamw_step(p.data, p.grad, state["exp_avg"], state["exp_avg_sq"], self.lr, *self.betas, self.eps,
-                             self.weight_decay, state["step"])
+            beta1, beta2 = group["betas"]
+            _core.adamw_step(p.data, p.grad, state["exp_avg"], state["exp_avg_sq"], float(group["lr"]),
+                             float(beta1), float(beta2), float(group["eps"]), float(group["weight_decay"]),
+                             state["step"])

@@ -146,7 +146,12 @@ class Module:
 
     def register_parameter(self, name, shape):
         """Create a zeroed parameter of ``shape`` in the layer's dtype, reachable as ``self.<name>``."""
-        param = Parameter(np.zeros(shape, self.dtype))
+        try:
+            data = np.zeros(shape, self.dtype)
+        except ValueError:  # (NumPy's "array is too big": more bytes than an address space holds)
+            raise MemoryError(f"Unable to allocate parameter {name!r} with shape {tuple(shape)} and data type "
+                              f"{self.dtype}") from None
+        param = Parameter(data)
         self._parameters[name] = param
         object.__setattr__(self, name, param)
         return param
