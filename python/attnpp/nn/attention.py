@@ -348,5 +348,10 @@ class Attention(Module):
         self.load_projections(*stacked, layout="linear")
 
     def extra_repr(self):
-        return (f"embed_dim={self.embed_dim}, num_heads={self.num_heads}, qk_dim={self.qk_dim}, v_dim={self.v_dim}, "
-                f"kv_dim={self.kv_dim}, out_proj={self.out_proj is not None}, causal={self.causal}")
+        E, H = self.embed_dim, self.num_heads
+        return self._format_args(f"embed_dim={E}", num_heads=(H, 1), qk_dim=(self.qk_dim, E),
+                                 v_dim=(self.v_dim, self.qk_dim), kv_dim=(self.kv_dim, E),
+                                 causal=(self.causal, False), causal_alignment=(self.causal_alignment, "top_left"),
+                                 attn_dropout=(self.attn_dropout, 0.0),
+                                 scale=(self.scale, (self.qk_dim // H) ** -0.5),
+                                 context_length=(self.context_length, None))

@@ -39,4 +39,4 @@ class Embedding(Module):
         F.embedding_backward(grad_output, self._consume_context(grad_output)["input"], self.weight.grad_buffer())
 
     def extra_repr(self):
-        return f"{self.num_embeddings}, {self.embedding_dim}"
+        return self._format_args(self.num_embeddings, self.embedding_dim)

@@ -53,4 +53,5 @@ class Linear(Module):
                                   None if self.bias is None else self.bias.grad_buffer())
 
     def extra_repr(self):
-        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+        return self._format_args(f"in_features={self.in_features}", f"out_features={self.out_features}",
+                                 f"bias={self.bias is not None}")

@@ -35,4 +35,4 @@ class CrossEntropyLoss(Module):
                                         self.reduction)
 
     def extra_repr(self):
-        return f"ignore_index={self.ignore_index}, reduction={self.reduction!r}"
+        return self._format_args(ignore_index=(self.ignore_index, -100), reduction=(self.reduction, "mean"))

@@ -295,5 +295,14 @@ class Module:
         return f"{type(self).__name__}(\n  " + "\n  ".join(lines) + "\n)"
 
     def extra_repr(self):
-        """The layer's arguments for ``repr`` (those that differ from their defaults, where the layer says)."""
+        """The layer's arguments for ``repr``: see ``_format_args``."""
         return ""
+
+    def _format_args(self, *required, **optional):
+        """``"a, b, name=value, ..."``: the ``required`` values, then each ``optional`` given as ``(value,
+        default)`` whose value differs from its default, and the dtype when it is not float32."""
+        parts = [f"{v}" for v in required]
+        parts += [f"{name}={value!r}" for name, (value, default) in optional.items() if value != default]
+        if self.dtype != np.float32:
+            parts.append(f"dtype={self.dtype}")
+        return ", ".join(parts)

@@ -267,5 +267,9 @@ class MultiheadAttention(Module):
         return tuple(grads) if ctx["batched"] else tuple(g[0] for g in grads)
 
     def extra_repr(self):
-        return (f"embed_dim={self.embed_dim}, num_heads={self.num_heads}, dropout={self.dropout}, "
-                f"batch_first={self.batch_first}")
+        E = self.embed_dim
+        return self._format_args(f"embed_dim={E}", f"num_heads={self.num_heads}", dropout=(self.dropout, 0.0),
+                                 bias=(self.in_proj_bias is not None, True),
+                                 add_bias_kv=(self.bias_k is not None, False),
+                                 add_zero_attn=(self.add_zero_attn, False), kdim=(self.kdim, E), vdim=(self.vdim, E),
+                                 batch_first=(self.batch_first, False))
