@@ -308,49 +308,70 @@ PYBIND11_MODULE(_core, m) {
   // forces (an exception here is the ImportError the user sees).
   const char* forced = std::getenv("ATTNPP_CPU_CAPABILITY");
   select_cpu_level(forced ? forced : "");
-  m.def("cpu_capability", []() { return std::string(cpu_level().name); });
-  m.def("build_config", []() {
-    py::list levels, supported;
-    for (const auto& l : cpu_levels()) {
-      levels.append(l.name);
-      if (l.supported) supported.append(l.name);
-    }
-    py::dict config;
-    config["cpu_capability"] = cpu_level().name;
-    config["levels_built"] = levels;
-    config["levels_supported"] = supported;
-    config["compiler"] = build_compiler();
-    config["flags"] = build_flags();
-    config["eigen"] = std::to_string(EIGEN_WORLD_VERSION) + "." + std::to_string(EIGEN_MAJOR_VERSION) + "." +
-                      std::to_string(EIGEN_MINOR_VERSION);
-    config["openmp"] = _OPENMP;
-    return config;
-  });
+  m.def(
+      "cpu_capability", []() { return std::string(cpu_level().name); },
+      "The CPU level the kernels run at: 'default', 'avx2' or 'avx512' (the last two on x86-64 only).");
+  m.def(
+      "build_config",
+      []() {
+        py::list levels, supported;
+        for (const auto& l : cpu_levels()) {
+          levels.append(l.name);
+          if (l.supported) supported.append(l.name);
+        }
+        py::dict config;
+        config["cpu_capability"] = cpu_level().name;
+        config["levels_built"] = levels;
+        config["levels_supported"] = supported;
+        config["compiler"] = build_compiler();
+        config["flags"] = build_flags();
+        config["eigen"] = std::to_string(EIGEN_WORLD_VERSION) + "." + std::to_string(EIGEN_MAJOR_VERSION) + "." +
+                          std::to_string(EIGEN_MINOR_VERSION);
+        config["openmp"] = _OPENMP;
+        return config;
+      },
+      "The build: dict of cpu_capability, levels_built, levels_supported, compiler, flags, eigen, openmp.");
 
-  m.def("set_num_threads", [](int64_t n) {
-    if (n < 1 || n > kMaxThreads)
-      throw py::value_error("set_num_threads: n must be in [1, " + std::to_string(kMaxThreads) + "], got " +
-                            std::to_string(n));
-    set_thread_count(int(n));
-  });
-  m.def("get_num_threads", []() { return thread_count(); });
+  m.def(
+      "set_num_threads",
+      [](int64_t n) {
+        if (n < 1 || n > kMaxThreads)
+          throw py::value_error("set_num_threads: n must be in [1, " + std::to_string(kMaxThreads) + "], got " +
+                                std::to_string(n));
+        set_thread_count(int(n));
+      },
+      "Set the number of OpenMP threads the kernels use, n in [1, 256].", py::arg("n"));
+  m.def("get_num_threads", []() { return thread_count(); }, "The number of OpenMP threads the kernels use.");
 
-  m.def("sdpa_forward", [](const py::array& out, const py::array& lse, const py::array& q, const py::array& k,
-                           const py::array& v, const std::vector<MaskArg>& masks, double scale, int causal,
-                           double dropout_p, uint64_t seed) {
-    dispatch(q, "query", [&](auto t) {
-      sdpa_forward_t<typename decltype(t)::type>(out, lse, q, k, v, masks, scale, causal, dropout_p, seed);
-    });
-  });
-  m.def("sdpa_backward", [](const py::array& dq, const py::array& dk, const py::array& dv, const py::array& dout,
-                            const py::array& out, const py::array& lse, const py::array& q, const py::array& k,
-                            const py::array& v, const std::vector<MaskArg>& masks, double scale, int causal,
-                            double dropout_p, uint64_t seed) {
-    dispatch(q, "query", [&](auto t) {
-      sdpa_backward_t<typename decltype(t)::type>(dq, dk, dv, dout, out, lse, q, k, v, masks, scale, causal,
-                                                  dropout_p, seed);
-    });
-  });
+  m.def(
+      "sdpa_forward",
+      [](const py::array& out, const py::array& lse, const py::array& q, const py::array& k, const py::array& v,
+         const std::vector<MaskArg>& masks, double scale, int causal, double dropout_p, uint64_t seed) {
+        dispatch(q, "query", [&](auto t) {
+          sdpa_forward_t<typename decltype(t)::type>(out, lse, q, k, v, masks, scale, causal, dropout_p, seed);
+        });
+      },
+      "Attention forward into out (N, Hq, L, Dv) and logsumexp (N, Hq, L), of query (N, Hq, L, D), "
+      "key (N, Hk, S, D), value (N, Hk, S, Dv), all float32 or all float64; masks: additive (mask, "
+      "batch_offsets (N,) int64, h_stride, l_stride, s_stride), strides in elements; causal: 0 none, "
+      "1 top-left, 2 bottom-right aligned.",
+      py::arg("out"), py::arg("logsumexp"), py::arg("query"), py::arg("key"), py::arg("value"), py::arg("masks"),
+      py::arg("scale"), py::arg("causal"), py::arg("dropout_p"), py::arg("seed"));
+  m.def(
+      "sdpa_backward",
+      [](const py::array& dq, const py::array& dk, const py::array& dv, const py::array& dout, const py::array& out,
+         const py::array& lse, const py::array& q, const py::array& k, const py::array& v,
+         const std::vector<MaskArg>& masks, double scale, int causal, double dropout_p, uint64_t seed) {
+        dispatch(q, "query", [&](auto t) {
+          sdpa_backward_t<typename decltype(t)::type>(dq, dk, dv, dout, out, lse, q, k, v, masks, scale, causal,
+                                                      dropout_p, seed);
+        });
+      },
+      "Attention backward: adds the gradients into grad_query (N, Hq, L, D), grad_key (N, Hk, S, D), grad_value "
+      "(N, Hk, S, Dv), from grad_output and out (N, Hq, L, Dv), logsumexp (N, Hq, L) and sdpa_forward's inputs.",
+      py::arg("grad_query"), py::arg("grad_key"), py::arg("grad_value"), py::arg("grad_output"), py::arg("out"),
+      py::arg("logsumexp"), py::arg("query"), py::arg("key"), py::arg("value"), py::arg("masks"), py::arg("scale"),
+      py::arg("causal"), py::arg("dropout_p"), py::arg("seed"));
   m.def(
       "sdpa_weights",
       [](const py::array& weights, const py::array& lse, const py::array& q, const py::array& k,
@@ -361,15 +382,27 @@ PYBIND11_MODULE(_core, m) {
                                                      average_heads);
         });
       },
+      "The attention weights (after dropout) into weights (N, Hq, L, S), or (N, L, S) averaged over heads, from "
+      "sdpa_forward's logsumexp (N, Hq, L), query and key.",
       py::arg("weights"), py::arg("logsumexp"), py::arg("query"), py::arg("key"), py::arg("masks"),
       py::arg("scale"), py::arg("causal"), py::arg("dropout_p"), py::arg("seed"), py::arg("average_heads") = false);
-  m.def("linear_forward", [](const py::array& y, const py::array& x, const py::array& w, const py::object& b) {
-    dispatch(x, "input", [&](auto t) { linear_forward_t<typename decltype(t)::type>(y, x, w, b); });
-  });
-  m.def("linear_backward", [](const py::object& dx, const py::array& dw, const py::object& db, const py::array& dy,
-                              const py::array& x, const py::array& w) {
-    dispatch(x, "input", [&](auto t) { linear_backward_t<typename decltype(t)::type>(dx, dw, db, dy, x, w); });
-  });
+  m.def(
+      "linear_forward",
+      [](const py::array& y, const py::array& x, const py::array& w, const py::object& b) {
+        dispatch(x, "input", [&](auto t) { linear_forward_t<typename decltype(t)::type>(y, x, w, b); });
+      },
+      "out (M, Fout) = input (M, Fin) @ weight (Fout, Fin).T + bias (Fout,) or None; all C-contiguous.",
+      py::arg("out"), py::arg("input"), py::arg("weight"), py::arg("bias"));
+  m.def(
+      "linear_backward",
+      [](const py::object& dx, const py::array& dw, const py::object& db, const py::array& dy, const py::array& x,
+         const py::array& w) {
+        dispatch(x, "input", [&](auto t) { linear_backward_t<typename decltype(t)::type>(dx, dw, db, dy, x, w); });
+      },
+      "Linear backward: adds the gradients into grad_input (M, Fin) or None, grad_weight (Fout, Fin), grad_bias "
+      "(Fout,) or None, from grad_output (M, Fout), input and weight.",
+      py::arg("grad_input"), py::arg("grad_weight"), py::arg("grad_bias"), py::arg("grad_output"), py::arg("input"),
+      py::arg("weight"));
 
   m.def(
       "empty",
@@ -387,133 +420,175 @@ PYBIND11_MODULE(_core, m) {
         py::capsule owner(data, [](void* p) { pool_release(p); });
         return py::array(dtype, shape, data, owner);
       },
+      "An uninitialized C-contiguous array of a numeric dtype, its memory recycled by attnpp's pool.",
       py::arg("shape"), py::arg("dtype"));
-  m.def("empty_cache", &pool_empty);
-  m.def("dropout_mask", [](std::vector<py::ssize_t> shape, double p, uint64_t seed) {
-    py::array_t<bool> keep(shape);
-    bool* ptr = keep.mutable_data();
-    const int64_t count = keep.size();
-    py::gil_scoped_release release;
-    cpu_level().kernels->dropout_mask(ptr, count, p, seed);
-    return keep;
-  });
-  m.def("dropout_forward", [](const py::array& out, const py::array& x, double p, uint64_t seed) {
-    dispatch(x, "input", [&](auto t) {
-      using T = typename decltype(t)::type;
-      expect_size(out, "out", x.size());
-      T* o = contiguous_ptr<T>(out, "out", true);
-      const T* xp = contiguous_ptr<T>(x, "input", false);
-      py::gil_scoped_release release;
-      kernels<T>().dropout_forward(o, xp, x.size(), p, seed);
-    });
-  });
-  m.def("dropout_backward", [](const py::array& dx, const py::array& dout, double p, uint64_t seed) {
-    dispatch(dout, "grad_output", [&](auto t) {
-      using T = typename decltype(t)::type;
-      expect_size(dx, "grad_input", dout.size());
-      T* d = contiguous_ptr<T>(dx, "grad_input", true);
-      const T* g = contiguous_ptr<T>(dout, "grad_output", false);
-      py::gil_scoped_release release;
-      kernels<T>().dropout_backward(d, g, dout.size(), p, seed);
-    });
-  });
-  m.def("embedding_forward", [](const py::array& out, const py::array& index, const py::array& weight) {
-    dispatch(weight, "weight", [&](auto t) {
-      using T = typename decltype(t)::type;
-      expect_ndim(weight, "weight", 2);
-      const int64_t N = index.size(), E = weight.shape(1);
-      expect_shape(out, "out", {N, E});
-      T* o = contiguous_ptr<T>(out, "out", true);
-      const T* w = contiguous_ptr<T>(weight, "weight", false);
-      const auto idx = indices(index, "input", weight.shape(0));
-      py::gil_scoped_release release;
-      kernels<T>().embedding_forward(o, idx.data(), w, N, E);
-    });
-  });
-  m.def("embedding_backward", [](const py::array& dweight, const py::array& dout, const py::array& index) {
-    dispatch(dweight, "grad_weight", [&](auto t) {
-      using T = typename decltype(t)::type;
-      expect_ndim(dweight, "grad_weight", 2);
-      const int64_t N = index.size(), E = dweight.shape(1);
-      expect_shape(dout, "grad_output", {N, E});
-      T* dw = contiguous_ptr<T>(dweight, "grad_weight", true);
-      const T* g = contiguous_ptr<T>(dout, "grad_output", false);
-      const auto idx = indices(index, "input", dweight.shape(0));
-      py::gil_scoped_release release;
-      kernels<T>().embedding_backward(dw, g, idx.data(), N, E);
-    });
-  });
-  m.def("cross_entropy_forward", [](const py::array& losses, const py::array& stats, const py::array& input,
-                                    const py::array& target, int64_t ignore_index) {
-    dispatch(input, "input", [&](auto t) {
-      using T = typename decltype(t)::type;
-      expect_ndim(input, "input", 2);
-      const int64_t N = input.shape(0), C = input.shape(1);
-      if (C == 0 && N > 0) throw py::value_error("input: expected at least one class, got shape " + shape_str(input));
-      expect_shape(losses, "losses", {N});
-      expect_shape(stats, "stats", {N, 2});
-      expect_shape(target, "target", {N});
-      T *l = contiguous_ptr<T>(losses, "losses", true), *s = contiguous_ptr<T>(stats, "stats", true);
-      const T* x = contiguous_ptr<T>(input, "input", false);
-      const auto tg = indices(target, "target", C, &ignore_index);
-      py::gil_scoped_release release;
-      kernels<T>().cross_entropy_forward(l, s, x, tg.data(), N, C, ignore_index);
-    });
-  });
-  m.def("cross_entropy_backward", [](const py::array& dinput, const py::array& row_weight, const py::array& stats,
-                                     const py::array& input, const py::array& target) {
-    dispatch(input, "input", [&](auto t) {
-      using T = typename decltype(t)::type;
-      expect_ndim(input, "input", 2);
-      const int64_t N = input.shape(0), C = input.shape(1);
-      expect_shape(dinput, "grad_input", {N, C});
-      expect_shape(row_weight, "row_weight", {N});
-      expect_shape(stats, "stats", {N, 2});
-      expect_shape(target, "target", {N});
-      T* d = contiguous_ptr<T>(dinput, "grad_input", true);
-      const T* s = contiguous_ptr<T>(stats, "stats", false);
-      const T* x = contiguous_ptr<T>(input, "input", false);
-      // copies (see int64_copy): the targets of rows of nonzero weight are written to, the others not read
-      const T* wp = contiguous_ptr<T>(row_weight, "row_weight", false);
-      const std::vector<T> w(wp, wp + N);
-      const auto tg = int64_copy(target, "target");
-      for (int64_t i = 0; i < N; ++i)
-        if (w[i] != T(0) && (tg[i] < 0 || tg[i] >= C))
-          throw py::index_error("target: value " + std::to_string(tg[i]) + " out of range [0, " +
-                                std::to_string(C) + ") on a row of nonzero weight");
-      py::gil_scoped_release release;
-      kernels<T>().cross_entropy_backward(d, w.data(), s, x, tg.data(), N, C);
-    });
-  });
-  m.def("sgd_step", [](const py::array& param, const py::array& grad, const py::object& buf, double lr,
-                       double momentum, double dampening, double weight_decay, bool nesterov, bool first) {
-    dispatch(param, "param", [&](auto t) {
-      using T = typename decltype(t)::type;
-      expect_size(grad, "grad", param.size());
-      T* b = nullptr;
-      if (const auto ba = optional_array(buf, "momentum_buffer")) {
-        expect_size(*ba, "momentum_buffer", param.size());
-        b = contiguous_ptr<T>(*ba, "momentum_buffer", true);
-      } else if (momentum != 0) {
-        throw py::value_error("momentum_buffer: required when momentum != 0");
-      }
-      T* p = contiguous_ptr<T>(param, "param", true);
-      const T* g = contiguous_ptr<T>(grad, "grad", false);
-      py::gil_scoped_release release;
-      kernels<T>().sgd_step(p, g, b, param.size(), lr, momentum, dampening, weight_decay, nesterov, first);
-    });
-  });
-  m.def("adamw_step", [](const py::array& param, const py::array& grad, const py::array& exp_avg,
-                         const py::array& exp_avg_sq, double lr, double beta1, double beta2, double eps,
-                         double weight_decay, int64_t step) {
-    dispatch(param, "param", [&](auto t) {
-      using T = typename decltype(t)::type;
-      for (const auto* a : {&grad, &exp_avg, &exp_avg_sq}) expect_size(*a, "optimizer state", param.size());
-      T *p = contiguous_ptr<T>(param, "param", true), *m1 = contiguous_ptr<T>(exp_avg, "exp_avg", true);
-      T* m2 = contiguous_ptr<T>(exp_avg_sq, "exp_avg_sq", true);
-      const T* g = contiguous_ptr<T>(grad, "grad", false);
-      py::gil_scoped_release release;
-      kernels<T>().adamw_step(p, g, m1, m2, param.size(), lr, beta1, beta2, eps, weight_decay, step);
-    });
-  });
+  m.def("empty_cache", &pool_empty, "Free the pool's cached blocks; returns their size in bytes.");
+  m.def(
+      "dropout_mask",
+      [](std::vector<py::ssize_t> shape, double p, uint64_t seed) {
+        py::array_t<bool> keep(shape);
+        bool* ptr = keep.mutable_data();
+        const int64_t count = keep.size();
+        py::gil_scoped_release release;
+        cpu_level().kernels->dropout_mask(ptr, count, p, seed);
+        return keep;
+      },
+      "The keep mask (bool, of the given shape) of dropout with probability p and seed.", py::arg("shape"),
+      py::arg("p"), py::arg("seed"));
+  m.def(
+      "dropout_forward",
+      [](const py::array& out, const py::array& x, double p, uint64_t seed) {
+        dispatch(x, "input", [&](auto t) {
+          using T = typename decltype(t)::type;
+          expect_size(out, "out", x.size());
+          T* o = contiguous_ptr<T>(out, "out", true);
+          const T* xp = contiguous_ptr<T>(x, "input", false);
+          py::gil_scoped_release release;
+          kernels<T>().dropout_forward(o, xp, x.size(), p, seed);
+        });
+      },
+      "Dropout of input into out (same size, C-contiguous), kept elements scaled by 1 / (1 - p).", py::arg("out"),
+      py::arg("input"), py::arg("p"), py::arg("seed"));
+  m.def(
+      "dropout_backward",
+      [](const py::array& dx, const py::array& dout, double p, uint64_t seed) {
+        dispatch(dout, "grad_output", [&](auto t) {
+          using T = typename decltype(t)::type;
+          expect_size(dx, "grad_input", dout.size());
+          T* d = contiguous_ptr<T>(dx, "grad_input", true);
+          const T* g = contiguous_ptr<T>(dout, "grad_output", false);
+          py::gil_scoped_release release;
+          kernels<T>().dropout_backward(d, g, dout.size(), p, seed);
+        });
+      },
+      "Dropout backward: adds into grad_input from grad_output (same size), by the mask of the same p and seed.",
+      py::arg("grad_input"), py::arg("grad_output"), py::arg("p"), py::arg("seed"));
+  m.def(
+      "embedding_forward",
+      [](const py::array& out, const py::array& index, const py::array& weight) {
+        dispatch(weight, "weight", [&](auto t) {
+          using T = typename decltype(t)::type;
+          expect_ndim(weight, "weight", 2);
+          const int64_t N = index.size(), E = weight.shape(1);
+          expect_shape(out, "out", {N, E});
+          T* o = contiguous_ptr<T>(out, "out", true);
+          const T* w = contiguous_ptr<T>(weight, "weight", false);
+          const auto idx = indices(index, "input", weight.shape(0));
+          py::gil_scoped_release release;
+          kernels<T>().embedding_forward(o, idx.data(), w, N, E);
+        });
+      },
+      "out (N, E) = weight (V, E)[index], index: N int64 values in [0, V).", py::arg("out"), py::arg("index"),
+      py::arg("weight"));
+  m.def(
+      "embedding_backward",
+      [](const py::array& dweight, const py::array& dout, const py::array& index) {
+        dispatch(dweight, "grad_weight", [&](auto t) {
+          using T = typename decltype(t)::type;
+          expect_ndim(dweight, "grad_weight", 2);
+          const int64_t N = index.size(), E = dweight.shape(1);
+          expect_shape(dout, "grad_output", {N, E});
+          T* dw = contiguous_ptr<T>(dweight, "grad_weight", true);
+          const T* g = contiguous_ptr<T>(dout, "grad_output", false);
+          const auto idx = indices(index, "input", dweight.shape(0));
+          py::gil_scoped_release release;
+          kernels<T>().embedding_backward(dw, g, idx.data(), N, E);
+        });
+      },
+      "Adds the rows of grad_output (N, E) into grad_weight (V, E) at index (N int64 values).",
+      py::arg("grad_weight"), py::arg("grad_output"), py::arg("index"));
+  m.def(
+      "cross_entropy_forward",
+      [](const py::array& losses, const py::array& stats, const py::array& input, const py::array& target,
+         int64_t ignore_index) {
+        dispatch(input, "input", [&](auto t) {
+          using T = typename decltype(t)::type;
+          expect_ndim(input, "input", 2);
+          const int64_t N = input.shape(0), C = input.shape(1);
+          if (C == 0 && N > 0)
+            throw py::value_error("input: expected at least one class, got shape " + shape_str(input));
+          expect_shape(losses, "losses", {N});
+          expect_shape(stats, "stats", {N, 2});
+          expect_shape(target, "target", {N});
+          T *l = contiguous_ptr<T>(losses, "losses", true), *s = contiguous_ptr<T>(stats, "stats", true);
+          const T* x = contiguous_ptr<T>(input, "input", false);
+          const auto tg = indices(target, "target", C, &ignore_index);
+          py::gil_scoped_release release;
+          kernels<T>().cross_entropy_forward(l, s, x, tg.data(), N, C, ignore_index);
+        });
+      },
+      "Per-row cross entropy of input (N, C) logits and target (N,) int64 into losses (N,) and stats (N, 2) for "
+      "the backward; rows whose target is ignore_index get loss 0.",
+      py::arg("losses"), py::arg("stats"), py::arg("input"), py::arg("target"), py::arg("ignore_index"));
+  m.def(
+      "cross_entropy_backward",
+      [](const py::array& dinput, const py::array& row_weight, const py::array& stats, const py::array& input,
+         const py::array& target) {
+        dispatch(input, "input", [&](auto t) {
+          using T = typename decltype(t)::type;
+          expect_ndim(input, "input", 2);
+          const int64_t N = input.shape(0), C = input.shape(1);
+          expect_shape(dinput, "grad_input", {N, C});
+          expect_shape(row_weight, "row_weight", {N});
+          expect_shape(stats, "stats", {N, 2});
+          expect_shape(target, "target", {N});
+          T* d = contiguous_ptr<T>(dinput, "grad_input", true);
+          const T* s = contiguous_ptr<T>(stats, "stats", false);
+          const T* x = contiguous_ptr<T>(input, "input", false);
+          // copies (see int64_copy): the targets of rows of nonzero weight are written to, the others not read
+          const T* wp = contiguous_ptr<T>(row_weight, "row_weight", false);
+          const std::vector<T> w(wp, wp + N);
+          const auto tg = int64_copy(target, "target");
+          for (int64_t i = 0; i < N; ++i)
+            if (w[i] != T(0) && (tg[i] < 0 || tg[i] >= C))
+              throw py::index_error("target: value " + std::to_string(tg[i]) + " out of range [0, " +
+                                    std::to_string(C) + ") on a row of nonzero weight");
+          py::gil_scoped_release release;
+          kernels<T>().cross_entropy_backward(d, w.data(), s, x, tg.data(), N, C);
+        });
+      },
+      "grad_input (N, C) of the losses weighted by row_weight (N,), from cross_entropy_forward's stats (N, 2), "
+      "input and target.",
+      py::arg("grad_input"), py::arg("row_weight"), py::arg("stats"), py::arg("input"), py::arg("target"));
+  m.def(
+      "sgd_step",
+      [](const py::array& param, const py::array& grad, const py::object& buf, double lr, double momentum,
+         double dampening, double weight_decay, bool nesterov, bool first) {
+        dispatch(param, "param", [&](auto t) {
+          using T = typename decltype(t)::type;
+          expect_size(grad, "grad", param.size());
+          T* b = nullptr;
+          if (const auto ba = optional_array(buf, "momentum_buffer")) {
+            expect_size(*ba, "momentum_buffer", param.size());
+            b = contiguous_ptr<T>(*ba, "momentum_buffer", true);
+          } else if (momentum != 0) {
+            throw py::value_error("momentum_buffer: required when momentum != 0");
+          }
+          T* p = contiguous_ptr<T>(param, "param", true);
+          const T* g = contiguous_ptr<T>(grad, "grad", false);
+          py::gil_scoped_release release;
+          kernels<T>().sgd_step(p, g, b, param.size(), lr, momentum, dampening, weight_decay, nesterov, first);
+        });
+      },
+      "One SGD step on param in place (torch.optim.SGD's update); momentum_buffer (param's size) or None when "
+      "momentum is 0; first: the buffer's first step.",
+      py::arg("param"), py::arg("grad"), py::arg("momentum_buffer"), py::arg("lr"), py::arg("momentum"),
+      py::arg("dampening"), py::arg("weight_decay"), py::arg("nesterov"), py::arg("first"));
+  m.def(
+      "adamw_step",
+      [](const py::array& param, const py::array& grad, const py::array& exp_avg, const py::array& exp_avg_sq,
+         double lr, double beta1, double beta2, double eps, double weight_decay, int64_t step) {
+        dispatch(param, "param", [&](auto t) {
+          using T = typename decltype(t)::type;
+          for (const auto* a : {&grad, &exp_avg, &exp_avg_sq}) expect_size(*a, "optimizer state", param.size());
+          T *p = contiguous_ptr<T>(param, "param", true), *m1 = contiguous_ptr<T>(exp_avg, "exp_avg", true);
+          T* m2 = contiguous_ptr<T>(exp_avg_sq, "exp_avg_sq", true);
+          const T* g = contiguous_ptr<T>(grad, "grad", false);
+          py::gil_scoped_release release;
+          kernels<T>().adamw_step(p, g, m1, m2, param.size(), lr, beta1, beta2, eps, weight_decay, step);
+        });
+      },
+      "One AdamW step (torch.optim.AdamW's update) on param, exp_avg and exp_avg_sq in place; step counts from 1.",
+      py::arg("param"), py::arg("grad"), py::arg("exp_avg"), py::arg("exp_avg_sq"), py::arg("lr"), py::arg("beta1"),
+      py::arg("beta2"), py::arg("eps"), py::arg("weight_decay"), py::arg("step"));
 }

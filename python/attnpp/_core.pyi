@@ -1,0 +1,148 @@
+"""Type stubs of attnpp._core, the pybind11 module built from cpp/bindings.cpp.
+
+Kept in step with the binding by tests/test_core_stubs.py (argument names, defaults, functions both ways).
+The kernels write their results into the output arrays passed first; the backward functions add into theirs.
+Float arrays are all float32 or all float64 within a call; index arrays are C-contiguous int64.
+"""
+
+from typing import Any, Dict, Optional, Sequence, Tuple, Union
+
+import numpy as np
+import numpy.typing as npt
+
+_FloatArray = Union[npt.NDArray[np.float32], npt.NDArray[np.float64]]
+_IndexArray = npt.NDArray[np.int64]
+# An additive mask as the core reads it: (mask, batch_offsets (N,) int64, h_stride, l_stride, s_stride), strides in
+# elements of the mask array (attnpp.functional.mask_arg builds it from a broadcast view).
+_MaskArg = Tuple[_FloatArray, npt.ArrayLike, int, int, int]
+
+def cpu_capability() -> str:
+    """The CPU level the kernels run at: 'default', 'avx2' or 'avx512' (the last two on x86-64 only)."""
+
+def build_config() -> Dict[str, Any]:
+    """The build: dict of cpu_capability, levels_built, levels_supported, compiler, flags, eigen, openmp."""
+
+def set_num_threads(n: int) -> None:
+    """Set the number of OpenMP threads the kernels use, n in [1, 256]."""
+
+def get_num_threads() -> int:
+    """The number of OpenMP threads the kernels use."""
+
+def sdpa_forward(
+    out: _FloatArray,
+    logsumexp: _FloatArray,
+    query: _FloatArray,
+    key: _FloatArray,
+    value: _FloatArray,
+    masks: Sequence[_MaskArg],
+    scale: float,
+    causal: int,
+    dropout_p: float,
+    seed: int,
+) -> None:
+    """Attention forward into out (N, Hq, L, Dv) and logsumexp (N, Hq, L), of query (N, Hq, L, D), key (N, Hk, S, D),
+    value (N, Hk, S, Dv); causal: 0 none, 1 top-left, 2 bottom-right aligned."""
+
+def sdpa_backward(
+    grad_query: _FloatArray,
+    grad_key: _FloatArray,
+    grad_value: _FloatArray,
+    grad_output: _FloatArray,
+    out: _FloatArray,
+    logsumexp: _FloatArray,
+    query: _FloatArray,
+    key: _FloatArray,
+    value: _FloatArray,
+    masks: Sequence[_MaskArg],
+    scale: float,
+    causal: int,
+    dropout_p: float,
+    seed: int,
+) -> None:
+    """Attention backward: adds into grad_query (N, Hq, L, D), grad_key (N, Hk, S, D), grad_value (N, Hk, S, Dv),
+    from grad_output and out (N, Hq, L, Dv), logsumexp (N, Hq, L) and sdpa_forward's inputs."""
+
+def sdpa_weights(
+    weights: _FloatArray,
+    logsumexp: _FloatArray,
+    query: _FloatArray,
+    key: _FloatArray,
+    masks: Sequence[_MaskArg],
+    scale: float,
+    causal: int,
+    dropout_p: float,
+    seed: int,
+    average_heads: bool = False,
+) -> None:
+    """The attention weights (after dropout) into weights (N, Hq, L, S), or (N, L, S) averaged over heads."""
+
+def linear_forward(out: _FloatArray, input: _FloatArray, weight: _FloatArray, bias: Optional[_FloatArray]) -> None:
+    """out (M, Fout) = input (M, Fin) @ weight (Fout, Fin).T + bias (Fout,) or None; all C-contiguous."""
+
+def linear_backward(
+    grad_input: Optional[_FloatArray],
+    grad_weight: _FloatArray,
+    grad_bias: Optional[_FloatArray],
+    grad_output: _FloatArray,
+    input: _FloatArray,
+    weight: _FloatArray,
+) -> None:
+    """Linear backward: adds into grad_input (M, Fin) or None, grad_weight (Fout, Fin), grad_bias (Fout,) or None."""
+
+def empty(shape: Sequence[int], dtype: np.dtype[Any]) -> npt.NDArray[Any]:
+    """An uninitialized C-contiguous array of a numeric dtype, its memory recycled by attnpp's pool."""
+
+def empty_cache() -> int:
+    """Free the pool's cached blocks; returns their size in bytes."""
+
+def dropout_mask(shape: Sequence[int], p: float, seed: int) -> npt.NDArray[np.bool_]:
+    """The keep mask (bool, of the given shape) of dropout with probability p and seed."""
+
+def dropout_forward(out: _FloatArray, input: _FloatArray, p: float, seed: int) -> None:
+    """Dropout of input into out (same size, C-contiguous), kept elements scaled by 1 / (1 - p)."""
+
+def dropout_backward(grad_input: _FloatArray, grad_output: _FloatArray, p: float, seed: int) -> None:
+    """Dropout backward: adds into grad_input from grad_output (same size), by the mask of the same p and seed."""
+
+def embedding_forward(out: _FloatArray, index: _IndexArray, weight: _FloatArray) -> None:
+    """out (N, E) = weight (V, E)[index], index: N int64 values in [0, V)."""
+
+def embedding_backward(grad_weight: _FloatArray, grad_output: _FloatArray, index: _IndexArray) -> None:
+    """Adds the rows of grad_output (N, E) into grad_weight (V, E) at index (N int64 values)."""
+
+def cross_entropy_forward(
+    losses: _FloatArray, stats: _FloatArray, input: _FloatArray, target: _IndexArray, ignore_index: int
+) -> None:
+    """Per-row cross entropy of input (N, C) and target (N,) into losses (N,) and stats (N, 2) for the backward."""
+
+def cross_entropy_backward(
+    grad_input: _FloatArray, row_weight: _FloatArray, stats: _FloatArray, input: _FloatArray, target: _IndexArray
+) -> None:
+    """grad_input (N, C) of the losses weighted by row_weight (N,), from cross_entropy_forward's stats (N, 2)."""
+
+def sgd_step(
+    param: _FloatArray,
+    grad: _FloatArray,
+    momentum_buffer: Optional[_FloatArray],
+    lr: float,
+    momentum: float,
+    dampening: float,
+    weight_decay: float,
+    nesterov: bool,
+    first: bool,
+) -> None:
+    """One SGD step on param in place (torch.optim.SGD's update); momentum_buffer None only when momentum is 0."""
+
+def adamw_step(
+    param: _FloatArray,
+    grad: _FloatArray,
+    exp_avg: _FloatArray,
+    exp_avg_sq: _FloatArray,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    step: int,
+) -> None:
+    """One AdamW step (torch.optim.AdamW's update) on param, exp_avg and exp_avg_sq in place; step counts from 1."""
