@@ -30,7 +30,7 @@ std::string shape_str(const py::array& a) {
 
 template <typename T>
 void check_dtype(const py::array& a, const char* name) {
-  if (!a.dtype().is(py::dtype::of<T>()))
+  if (!a.dtype().equal(py::dtype::of<T>()))
     throw py::type_error(std::string(name) + ": expected dtype " + std::string(py::str(py::dtype::of<T>())) +
                          ", got " + std::string(py::str(a.dtype())));
 }
@@ -99,7 +99,7 @@ std::optional<py::array> optional_array(const py::object& o, const char* name) {
 // Copies of an int64 array's values: indices and offsets are checked, then used with the GIL released, when
 // another Python thread could change the array in between.
 std::vector<int64_t> int64_copy(const py::array& a, const char* name) {
-  if (!a.dtype().is(py::dtype::of<int64_t>()) || !(a.flags() & py::array::c_style))
+  if (!a.dtype().equal(py::dtype::of<int64_t>()) || !(a.flags() & py::array::c_style))
     throw py::type_error(std::string(name) + ": expected a C-contiguous int64 array");
   std::vector<int64_t> values(a.size());
   if (!values.empty()) std::memcpy(values.data(), a.data(), values.size() * sizeof(int64_t));
@@ -271,9 +271,9 @@ struct Tag {
 // Calls f(Tag<float>{}) or f(Tag<double>{}) by the dtype of `a`.
 template <typename F>
 void dispatch(const py::array& a, const char* name, F&& f) {
-  if (a.dtype().is(py::dtype::of<float>()))
+  if (a.dtype().equal(py::dtype::of<float>()))
     f(Tag<float>{});
-  else if (a.dtype().is(py::dtype::of<double>()))
+  else if (a.dtype().equal(py::dtype::of<double>()))
     f(Tag<double>{});
   else
     throw py::type_error(std::string(name) + ": expected dtype float32 or float64, got " +

@@ -151,11 +151,11 @@ class Optimizer:
         self.state, self.param_groups = state, groups
 
     def __repr__(self):
-        lines = [f"{type(self).__name__} ("]
+        text = f"{type(self).__name__} ("  # (PyTorch's layout, line for line)
         for i, group in enumerate(self.param_groups):
-            lines.append(f"Parameter Group {i}")
-            lines += [f"    {key}: {group[key]}" for key in sorted(group) if key != "params"]
-        return "\n".join(lines + [")"])
+            text += f"\nParameter Group {i}\n"
+            text += "".join(f"    {key}: {group[key]}\n" for key in sorted(group) if key != "params")
+        return text + ")"
 
 
 class SGD(Optimizer):
