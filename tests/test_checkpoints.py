@@ -156,6 +156,13 @@ def test_optimizer_state_dict_round_trip(rng, opt):
                     assert not np.shares_memory(value, b.state[q][key])
                 else:
                     assert value == b.state[q][key]
+    lin2, twin = copy.deepcopy((lin, ours))  # an optimizer copied with its layer: state included, nothing shared
+    for p, q in zip(lin.parameters(), lin2.parameters()):
+        for key, value in ours.state[p].items():
+            if isinstance(value, np.ndarray):
+                np.testing.assert_array_equal(value, twin.state[q][key])
+                assert not np.shares_memory(value, twin.state[q][key])
+    assert all(q in twin.state for q in lin2.parameters()) and repr(twin) == repr(ours)
     with pytest.raises(ValueError, match="groups have sizes"):
         OPTIMIZERS[opt][0](clone.parameters()).load_state_dict(saved)
 
