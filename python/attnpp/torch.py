@@ -241,8 +241,10 @@ class MultiheadAttention(torch.nn.MultiheadAttention):
     ``add_bias_kv`` and ``add_zero_attn``.
     """
 
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
+    def __init__(self, embed_dim, num_heads, dropout=0.0, bias=True, add_bias_kv=False, add_zero_attn=False,
+                 kdim=None, vdim=None, batch_first=False, device=None, dtype=None):
+        super().__init__(embed_dim, num_heads, dropout, bias, add_bias_kv, add_zero_attn, kdim, vdim, batch_first,
+                         device, dtype)
         self.last_seed = None
 
     def _check_inputs(self, query, key, value, key_padding_mask, attn_mask, is_causal):
