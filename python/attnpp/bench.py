@@ -37,6 +37,19 @@ chunk per sample. Each pair gives a ratio t_PyTorch / t_attnpp (above 1: attnpp 
 median of the ratios with their interquartile range, and the median time of each side (the training: the sum of
 all chunks). Memory: the growth of the peak resident set (VmHWM, reset through /proc/self/clear_refs) over the
 resident set before one call, with the inputs already allocated: temporaries, outputs and gradients.
+
+What each side runs in a call:
+
+- forward only (``fwd``): attnpp under ``attnpp.no_grad()``, so its layers save no context for a backward (none
+  comes; outside no_grad they would pile up, one per call), and PyTorch under ``torch.no_grad()``, so it records
+  no autograd graph: neither keeps anything for a backward;
+- forward + backward (``fwd+bwd``): attnpp's forward with gradients enabled, saving the context that the call's one
+  backward consumes (the kernel: the forward returns ``(output, logsumexp, seed)`` and the backward takes the
+  first two), against PyTorch's autograd forward and ``out.backward(grad)``. The parameters' gradients are reset
+  to None first on both sides (attnpp's ``zero_grad()``, whose default is ``set_to_none=True`` as PyTorch's, and
+  ``.grad = None``), so each call allocates and fills fresh gradients; both also compute the input's gradient;
+- the training step: forward, cross-entropy, ``zero_grad()`` (to None on both sides), backward, AdamW step; each
+  attnpp layer's forward context is consumed by the step's backward.
 """
 from __future__ import annotations
 
@@ -59,6 +72,8 @@ import numpy as np
 
 import attnpp
 from attnpp import functional as F, nn, optim
+# attnpp.no_grad, taken from its module (which also holds it where attnpp's __init__ does not export it)
+from attnpp.grad_mode import no_grad as attnpp_no_grad
 
 try:
     import torch
@@ -249,12 +264,18 @@ def gpt2_encoding():
 
 
 # ------------------------------------------------------------------------------- one call of each side, per case
-def no_grad(call):
-    """``call`` under torch.no_grad(): PyTorch's forward-only cases build no graph, like attnpp's forward."""
-    def run():
+def forward_only(attnpp_call, torch_call):
+    """(attnpp call, PyTorch call) of a forward-only case, each under its library's no_grad: attnpp's layers save
+    no context for a backward that never comes (they would pile up, one per call: memory held and, at 1000, a
+    ResourceWarning), and PyTorch builds no graph."""
+    def attnpp_run():
+        with attnpp_no_grad():
+            attnpp_call()
+
+    def torch_run():
         with torch.no_grad():
-            call()
-    return run
+            torch_call()
+    return attnpp_run, torch_run
 
 
 def torch_forward_backward(forward, leaves, grad_output):
@@ -273,8 +294,8 @@ def kernel_calls(shape, causal, backward):
     q, k, v, g = (rng.standard_normal(shape, dtype=np.float32) for _ in range(4))  # g: the output's gradient
     tq, tk, tv = map(torch.from_numpy, (q, k, v))
     if not backward:
-        return (lambda: F.scaled_dot_product_attention_forward(q, k, v, is_causal=causal),
-                no_grad(lambda: TF.scaled_dot_product_attention(tq, tk, tv, is_causal=causal)))
+        return forward_only(lambda: F.scaled_dot_product_attention_forward(q, k, v, is_causal=causal),
+                            lambda: TF.scaled_dot_product_attention(tq, tk, tv, is_causal=causal))
 
     def attnpp_call():
         out, lse, _ = F.scaled_dot_product_attention_forward(q, k, v, is_causal=causal)
@@ -288,19 +309,23 @@ def kernel_calls(shape, causal, backward):
 def layer_calls(layer, ref, x, backward, forward=None, ref_forward=None):
     """(attnpp call, PyTorch call) of a layer and its PyTorch twin (same weights) on the input x (B, L, E).
 
-    ``forward(x)`` / ``ref_forward(tx)`` give the output (default: call the layer); forward + backward zeroes the
-    parameters' gradients, as a training step would, and also computes the input's gradient on both sides.
+    ``forward(x)`` / ``ref_forward(tx)`` give the output (default: call the layer). Forward only: under each
+    library's no_grad. Forward + backward: resets the parameters' gradients to None, as a training step's
+    zero_grad does, then one forward whose saved context the one backward consumes (attnpp) or one autograd
+    forward and ``out.backward`` (PyTorch); both also compute the input's gradient.
     """
     forward, ref_forward = forward or layer, ref_forward or ref
     tx = torch.from_numpy(x)
     if not backward:
-        return lambda: forward(x), no_grad(lambda: ref_forward(tx))
-    g = np.random.default_rng(1).standard_normal(forward(x).shape, dtype=np.float32)
+        return forward_only(lambda: forward(x), lambda: ref_forward(tx))
+    with attnpp_no_grad():  # a forward for the output's shape only: no backward consumes it, so it saves nothing
+        out_shape = forward(x).shape
+    g = np.random.default_rng(1).standard_normal(out_shape, dtype=np.float32)
 
     def attnpp_call():
-        layer.zero_grad()
+        layer.zero_grad()  # gradients to None (set_to_none=True, as PyTorch's): the backward allocates fresh ones
         forward(x)
-        grads = layer.backward(g)
+        grads = layer.backward(g)  # consumes the context the forward just saved
         if isinstance(grads, tuple):  # MultiheadAttention: x was query, key and value; autograd sums the three
             grads[0] + grads[1] + grads[2]
 
@@ -606,8 +631,8 @@ def print_report(results, repeats, min_sample, quick, load, sgemm, skipped=()):
           f"{'n/a' if load is None else f'{load:.0%}'} of the CPUs' time during the run")
     print(capability_line())
     print(f"times: median per call, a fast call timed as the mean of a batch lasting >= {min_sample * 1e3:.0f} ms "
-          "(training: all steps); PyTorch forwards under no_grad; the articles' layers in eval mode (dropout off) "
-          "on both sides")
+          "(training: all steps); forward-only cases under no_grad on both sides (attnpp.no_grad, torch.no_grad); "
+          "the articles' layers in eval mode (dropout off) on both sides")
     print("MiB: growth of the peak resident set (VmHWM) during one call after warm-up, inputs already allocated "
           "(temporaries + outputs + gradients)")
     print()
