@@ -72,8 +72,6 @@ import numpy as np
 
 import attnpp
 from attnpp import functional as F, nn, optim
-# attnpp.no_grad, taken from its module (which also holds it where attnpp's __init__ does not export it)
-from attnpp.grad_mode import no_grad as attnpp_no_grad
 
 try:
     import torch
@@ -267,9 +265,9 @@ def gpt2_encoding():
 def forward_only(attnpp_call, torch_call):
     """(attnpp call, PyTorch call) of a forward-only case, each under its library's no_grad: attnpp's layers save
     no context for a backward that never comes (they would pile up, one per call: memory held and, at 1000, a
-    ResourceWarning), and PyTorch builds no graph."""
+    RuntimeWarning), and PyTorch builds no graph."""
     def attnpp_run():
-        with attnpp_no_grad():
+        with attnpp.no_grad():
             attnpp_call()
 
     def torch_run():
@@ -318,7 +316,7 @@ def layer_calls(layer, ref, x, backward, forward=None, ref_forward=None):
     tx = torch.from_numpy(x)
     if not backward:
         return forward_only(lambda: forward(x), lambda: ref_forward(tx))
-    with attnpp_no_grad():  # a forward for the output's shape only: no backward consumes it, so it saves nothing
+    with attnpp.no_grad():  # a forward for the output's shape only: no backward consumes it, so it saves nothing
         out_shape = forward(x).shape
     g = np.random.default_rng(1).standard_normal(out_shape, dtype=np.float32)
 

@@ -127,7 +127,7 @@ class Module:
             self._local.warned = True
             warnings.warn(f"{type(self).__name__}: {len(contexts)} forwards saved a context that no backward "
                           f"consumed; run forwards that need no backward under attnpp.no_grad()",
-                          RuntimeWarning, stacklevel=3)
+                          RuntimeWarning, stacklevel=5)
 
     def __getstate__(self):  # (copy and pickle: a lock and contexts are not copied)
         state = self.__dict__.copy()
