@@ -1,0 +1,391 @@
+"""Each reference article's own ``state_dict()`` loads unchanged into the matching ``attnpp.nn.Attention``
+(``Attention.load_state_dict`` and its table of article layouts), after which the outputs and every gradient equal
+PyTorch's; a wrong mask buffer, a wrongly shaped key or an unknown key is refused with the layer unchanged, and
+``strict=False`` returns the keys it could not place.
+
+The PyTorch modules below follow each article's class (signature, parameter names, buffers, algorithm); they are
+written for these tests, in eval mode (dropout is the identity there, so both sides are deterministic).
+"""
+import math
+
+import numpy as np
+import pytest
+import torch
+
+import attnpp
+import attnpp.nn as ann
+
+TOL = {np.float64: 1e-10, np.float32: 1e-5}
+TORCH_DTYPE = {np.float64: torch.float64, np.float32: torch.float32}
+B, S, C, NH = 2, 5, 16, 4
+
+
+def _triu(n, dtype=None):
+    return torch.triu(torch.ones(n, n, dtype=dtype), diagonal=1)
+
+
+def _softmax_attend(q, k, v, masked, scale):
+    scores = (q @ k.transpose(-2, -1)) * scale
+    if masked is not None:
+        scores = scores.masked_fill(masked, float("-inf"))
+    return scores.softmax(dim=-1) @ v
+
+
+# ------------------------------------------------------------------------------------------- article 003
+class SingleHead003(torch.nn.Module):
+    def __init__(self, hidden_size, bias=True):
+        super().__init__()
+        self.Wqkv = torch.nn.Linear(hidden_size, hidden_size // 4 * 3, bias=bias)
+        self.Wo = torch.nn.Linear(hidden_size // 4, hidden_size, bias=bias)
+
+    def forward(self, x):
+        b, s, c = x.shape
+        q, k, v = self.Wqkv(x).reshape(b, s, 3, c // 4).unbind(dim=2)
+        return self.Wo(_softmax_attend(q, k, v, None, 1 / math.sqrt(c // 4)))
+
+
+class Causal003(torch.nn.Module):
+    """CausalAttention (context_size given) or BidirectionalAttention (context_size None)."""
+
+    def __init__(self, hidden_size, num_heads, context_size=None, attn_drop=0.1, out_drop=0.1, bias=True):
+        super().__init__()
+        self.nh = num_heads
+        self.Wqkv = torch.nn.Linear(hidden_size, 3 * hidden_size, bias=bias)
+        self.Wo = torch.nn.Linear(hidden_size, hidden_size, bias=bias)
+        self.attn_drop, self.out_drop = torch.nn.Dropout(attn_drop), torch.nn.Dropout(out_drop)
+        if context_size is not None:
+            self.register_buffer("causal_mask", _triu(context_size, torch.bool).view(1, 1, context_size, context_size))
+
+    def forward(self, x, mask):
+        b, s, c = x.shape
+        q, k, v = self.Wqkv(x).reshape(b, s, 3, self.nh, c // self.nh).transpose(3, 1).unbind(dim=2)
+        masked = mask.view(b, 1, 1, s)
+        if hasattr(self, "causal_mask"):
+            masked = masked | self.causal_mask[:, :, :s, :s]
+        out = _softmax_attend(q, k, v, masked, 1 / math.sqrt(c // self.nh))
+        return self.out_drop(self.Wo(out.transpose(1, 2).reshape(b, s, c)))
+
+
+class CausalCross003(torch.nn.Module):
+    def __init__(self, hidden_size, num_heads, context_size, attn_drop=0.1, out_drop=0.1, bias=True):
+        super().__init__()
+        self.nh = num_heads
+        self.Wq = torch.nn.Linear(hidden_size, hidden_size, bias=bias)
+        self.Wkv = torch.nn.Linear(hidden_size, 2 * hidden_size, bias=bias)
+        self.Wo = torch.nn.Linear(hidden_size, hidden_size, bias=bias)
+        self.attn_drop, self.out_drop = torch.nn.Dropout(attn_drop), torch.nn.Dropout(out_drop)
+        self.register_buffer("causal_mask", _triu(context_size, torch.bool).view(1, 1, context_size, context_size))
+
+    def forward(self, x, y, mask):
+        b, s, c = x.shape                                       # the article: y has x's shape
+        q = self.Wq(x).reshape(b, s, self.nh, c // self.nh).transpose(1, 2)
+        k, v = self.Wkv(y).reshape(b, s, 2, self.nh, c // self.nh).transpose(3, 1).unbind(dim=2)
+        out = _softmax_attend(q, k, v, self.causal_mask | mask.view(b, 1, 1, s), 1 / math.sqrt(c // self.nh))
+        return self.out_drop(self.Wo(out.transpose(1, 2).reshape(b, s, c)))
+
+
+# ------------------------------------------------------------------------------------------- article 004
+class MHA004(torch.nn.Module):
+    def __init__(self, d_in, d_out, block_size, dropout, num_heads, qkv_bias=False):
+        super().__init__()
+        self.d_out, self.num_heads, self.head_dim = d_out, num_heads, d_out // num_heads
+        self.W_query = torch.nn.Linear(d_in, d_out, bias=qkv_bias)
+        self.W_key = torch.nn.Linear(d_in, d_out, bias=qkv_bias)
+        self.W_value = torch.nn.Linear(d_in, d_out, bias=qkv_bias)
+        self.out_proj = torch.nn.Linear(d_out, d_out)
+        self.dropout = torch.nn.Dropout(dropout)
+        self.register_buffer("mask", _triu(block_size))
+
+    def forward(self, x):
+        b, t, _ = x.shape
+        q, k, v = (f(x).view(b, t, self.num_heads, self.head_dim).transpose(1, 2)
+                   for f in (self.W_query, self.W_key, self.W_value))
+        out = _softmax_attend(q, k, v, self.mask.bool()[:t, :t], self.head_dim ** -0.5)
+        return self.out_proj(out.transpose(1, 2).contiguous().view(b, t, self.d_out))
+
+
+# ------------------------------------------------------------------------------------------- article 000
+class MHA000(torch.nn.Module):
+    def __init__(self, d_in, d_out, num_heads, context_length, qkv_bias=True):
+        super().__init__()
+        self.num_heads, self.d_head = num_heads, d_out // num_heads
+        self.w_q = torch.nn.Linear(d_in, d_out, bias=qkv_bias)
+        self.w_k = torch.nn.Linear(d_in, d_out, bias=qkv_bias)
+        self.w_v = torch.nn.Linear(d_in, d_out, bias=qkv_bias)
+        self.dropout = torch.nn.Dropout(0.1)
+        self.out_proj = torch.nn.Linear(d_out, d_out)
+        self.register_buffer("causal_mask", _triu(context_length))
+
+    def forward(self, x):
+        b, t, _ = x.shape
+        q, k, v = (f(x).reshape(b, t, self.num_heads, -1).transpose(1, 2) for f in (self.w_q, self.w_k, self.w_v))
+        out = _softmax_attend(q, k, v, self.causal_mask[:t, :t].bool(), self.d_head ** -0.5)
+        return self.out_proj(out.transpose(1, 2).flatten(-2))
+
+
+class CausalSelf000(torch.nn.Module):
+    def __init__(self, d_in, d_out, context_length, attn_bias=True):
+        super().__init__()
+        self.d_out = d_out
+        self.w_q = torch.nn.Linear(d_in, d_out, bias=attn_bias)
+        self.w_k = torch.nn.Linear(d_in, d_out, bias=attn_bias)
+        self.w_v = torch.nn.Linear(d_in, d_out, bias=attn_bias)
+        self.register_buffer("causal_mask", _triu(context_length))
+
+    def forward(self, x):
+        t = x.shape[1]
+        return _softmax_attend(self.w_q(x), self.w_k(x), self.w_v(x), self.causal_mask[:t, :t].bool(),
+                               self.d_out ** -0.5)
+
+
+# ------------------------------------------------------------------------------------------- article 002
+class SelfAttention002(torch.nn.Module):
+    def __init__(self, d_in, d_out_kq, d_out_v):
+        super().__init__()
+        self.d_out_kq = d_out_kq
+        self.W_query = torch.nn.Parameter(torch.rand(d_in, d_out_kq))
+        self.W_key = torch.nn.Parameter(torch.rand(d_in, d_out_kq))
+        self.W_value = torch.nn.Parameter(torch.rand(d_in, d_out_v))
+
+    def forward(self, x, context=None):                 # context given: the article's CrossAttention
+        c = x if context is None else context
+        return _softmax_attend(x @ self.W_query, c @ self.W_key, c @ self.W_value, None, self.d_out_kq ** -0.5)
+
+
+class Wrapper002(torch.nn.Module):
+    def __init__(self, d_in, d_out_kq, d_out_v, num_heads):
+        super().__init__()
+        self.heads = torch.nn.ModuleList([SelfAttention002(d_in, d_out_kq, d_out_v) for _ in range(num_heads)])
+
+    def forward(self, x):
+        return torch.cat([h(x) for h in self.heads], dim=-1)
+
+
+# ------------------------------------------------------------------------------------------- the cases
+def _pad():
+    pad = torch.zeros(B, S, dtype=torch.bool)
+    pad[1, 3:] = True                                   # trailing padding: no query is left without a key
+    return pad
+
+
+def _cat(*grads):
+    return np.concatenate(grads, axis=0)
+
+
+def _g(layer, name):
+    sub, attr = name.split(".")
+    return getattr(getattr(layer, sub), attr).grad
+
+
+def _linear_grads(mapping):
+    """article module prefix -> attnpp sub-layer, same (out, in) layout."""
+    return lambda l, keys: {k: _g(l, mapping[k.split(".")[0]] + "." + k.split(".")[1]) for k in keys}
+
+
+def _fused_grads(l, keys):
+    parts = {"Wqkv": ("q_proj", "k_proj", "v_proj"), "Wq": ("q_proj",), "Wkv": ("k_proj", "v_proj"),
+             "Wo": ("out_proj",)}
+    return {k: _cat(*(_g(l, f"{p}.{k.split('.')[1]}") for p in parts[k.split(".")[0]])) for k in keys}
+
+
+def _matmul_grads(l, keys):
+    return {k: _g(l, {"W_query": "q_proj", "W_key": "k_proj", "W_value": "v_proj"}[k] + ".weight").T for k in keys}
+
+
+def _head_grads(l, keys):
+    out = {}
+    for k in keys:
+        _, h, name = k.split(".")
+        w = _g(l, {"W_query": "q_proj", "W_key": "k_proj", "W_value": "v_proj"}[name] + ".weight")
+        d = w.shape[0] // l.num_heads
+        out[k] = w[int(h) * d:(int(h) + 1) * d].T
+    return out
+
+
+# name: (article module, attnpp layer, inputs kind, gradients of the article's keys from attnpp's)
+CASES = {
+    "003 SingleHeadAttention": (lambda: SingleHead003(C),
+                                lambda dt: ann.Attention(C, qk_dim=C // 4, out_dim=C, dtype=dt), "x", _fused_grads),
+    "003 SingleHeadAttention bias=False": (lambda: SingleHead003(C, bias=False),
+                                           lambda dt: ann.Attention(C, qk_dim=C // 4, out_dim=C, bias=False, dtype=dt),
+                                           "x", _fused_grads),
+    "003 BidirectionalAttention": (lambda: Causal003(C, NH), lambda dt: ann.Attention(C, NH, attn_dropout=0.1,
+                                                                                     out_dropout=0.1, dtype=dt),
+                                   "x+mask", _fused_grads),
+    "003 CausalAttention": (lambda: Causal003(C, NH, 8), lambda dt: ann.Attention(
+        C, NH, causal=True, context_length=8, attn_dropout=0.1, out_dropout=0.1, dtype=dt), "x+mask", _fused_grads),
+    "003 CausalCrossAttention": (lambda: CausalCross003(C, NH, S), lambda dt: ann.Attention(
+        C, NH, causal=True, context_length=S, attn_dropout=0.1, out_dropout=0.1, dtype=dt), "x,y+mask", _fused_grads),
+    "004 MultiHeadAttention": (lambda: MHA004(C, 8, 12, 0.1, 2), lambda dt: ann.Attention(
+        C, 2, qk_dim=8, bias=False, out_bias=True, causal=True, attn_dropout=0.1, context_length=12, dtype=dt), "x",
+        _linear_grads({"W_query": "q_proj", "W_key": "k_proj", "W_value": "v_proj", "out_proj": "out_proj"})),
+    "004 MultiHeadAttention qkv_bias=True": (lambda: MHA004(C, 8, 12, 0.1, 2, qkv_bias=True), lambda dt: ann.Attention(
+        C, 2, qk_dim=8, causal=True, attn_dropout=0.1, context_length=12, dtype=dt), "x",
+        _linear_grads({"W_query": "q_proj", "W_key": "k_proj", "W_value": "v_proj", "out_proj": "out_proj"})),
+    "000 MultiheadAttention": (lambda: MHA000(C, 8, 2, 6), lambda dt: ann.Attention(
+        C, 2, qk_dim=8, causal=True, attn_dropout=0.1, context_length=6, dtype=dt), "x",
+        _linear_grads({"w_q": "q_proj", "w_k": "k_proj", "w_v": "v_proj", "out_proj": "out_proj"})),
+    "000 CausalSelfAttention": (lambda: CausalSelf000(C, 10, 6), lambda dt: ann.Attention(
+        C, qk_dim=10, out_proj=False, causal=True, context_length=6, dtype=dt), "x",
+        _linear_grads({"w_q": "q_proj", "w_k": "k_proj", "w_v": "v_proj"})),
+    "002 SelfAttention": (lambda: SelfAttention002(C, 6, 5), lambda dt: ann.Attention(
+        C, qk_dim=6, v_dim=5, bias=False, out_proj=False, dtype=dt), "x unbatched", _matmul_grads),
+    "002 CrossAttention": (lambda: SelfAttention002(C, 6, 5), lambda dt: ann.Attention(
+        C, qk_dim=6, v_dim=5, bias=False, out_proj=False, dtype=dt), "x,y unbatched", _matmul_grads),
+    "002 MultiHeadAttentionWrapper": (lambda: Wrapper002(C, 3, 2, 4), lambda dt: ann.Attention(
+        C, 4, qk_dim=12, v_dim=8, bias=False, out_proj=False, dtype=dt), "x unbatched", _head_grads),
+}
+
+
+def _run(name, dtype):
+    make_ref, make_layer, kind, grads_of = CASES[name]
+    torch.manual_seed(0)
+    ref = make_ref().to(TORCH_DTYPE[dtype]).eval()
+    layer = make_layer(dtype).eval()
+    assert layer.load_state_dict(ref.state_dict()) == ([], [])          # the article's state dict, unchanged
+    rng = np.random.default_rng(1)
+    unbatched = kind.endswith("unbatched")
+    shape = (S, C) if unbatched else (B, S, C)
+    x = rng.standard_normal(shape).astype(dtype)
+    y = rng.standard_normal((7, C) if unbatched else shape).astype(dtype) if "y" in kind else None
+    xt = torch.tensor(x, requires_grad=True)
+    yt = None if y is None else torch.tensor(y, requires_grad=True)
+    pad = _pad() if "mask" in kind else None
+    args = [xt] + ([yt] if yt is not None else []) + ([pad] if pad is not None else [])
+    out_t = ref(*args)
+    grad_out = rng.standard_normal(tuple(out_t.shape)).astype(dtype)
+    (out_t * torch.from_numpy(grad_out)).sum().backward()
+    expected = {"output": out_t.detach().numpy(), "grad x": xt.grad.numpy()}
+    if yt is not None:
+        expected["grad y"] = yt.grad.numpy()
+    expected.update({"grad " + k: p.grad.numpy() for k, p in ref.named_parameters()})
+
+    out = layer(x, context=y, key_padding_mask=None if pad is None else pad.numpy())
+    grads = layer.backward(grad_out)
+    got = {"output": out}
+    if y is None:
+        got["grad x"] = grads
+    else:
+        got["grad x"], got["grad y"] = grads
+    got.update({"grad " + k: g for k, g in grads_of(layer, [k for k, _ in ref.named_parameters()]).items()})
+    return expected, got
+
+
+@pytest.mark.parametrize("dtype", [np.float64, np.float32], ids=["float64", "float32"])
+@pytest.mark.parametrize("name", list(CASES))
+def test_article_state_dict_loads_and_matches(name, dtype):
+    expected, got = _run(name, dtype)
+    assert set(got) == set(expected)
+    for q, e in expected.items():
+        assert got[q].shape == e.shape, q
+        err = np.abs(got[q] - e).max() / max(1.0, np.abs(e).max())
+        assert err < TOL[dtype], (q, err)
+
+
+def test_state_dict_keeps_attnpp_keys():
+    ref = MHA004(C, 8, 12, 0.1, 2)
+    layer = ann.Attention(C, 2, qk_dim=8, bias=False, out_bias=True, causal=True, context_length=12)
+    layer.load_state_dict(ref.state_dict())
+    assert list(layer.state_dict()) == ["q_proj.weight", "k_proj.weight", "v_proj.weight", "out_proj.weight",
+                                        "out_proj.bias"]
+    np.testing.assert_array_equal(layer.q_proj.weight.data, ref.W_query.weight.detach().numpy())
+    other = ann.Attention(C, 2, qk_dim=8, bias=False, out_bias=True, causal=True, context_length=12)
+    assert other.load_state_dict(layer.state_dict()) == ([], [])      # attnpp's own keys, as before
+    np.testing.assert_array_equal(other.out_proj.bias.data, ref.out_proj.bias.detach().numpy())
+
+
+# ------------------------------------------------------------------------------------------- refusals
+def _snapshot(layer):
+    return {k: v.copy() for k, v in layer.state_dict().items()}
+
+
+def _refused(layer, sd, words, error=ValueError):
+    before = _snapshot(layer)
+    with pytest.raises(error) as info:
+        layer.load_state_dict(sd)
+    for w in words:
+        assert w in str(info.value), (w, str(info.value))
+    after = layer.state_dict()
+    assert all(np.array_equal(before[k], after[k]) for k in before), "a refused load changed the layer"
+
+
+def _layer004(causal=True, context_length=12):
+    return ann.Attention(C, 2, qk_dim=8, bias=False, out_bias=True, causal=causal, context_length=context_length)
+
+
+@pytest.mark.parametrize("mask", ["zeros", "tril", "diagonal kept masked", "values 2", "not square"])
+def test_wrong_mask_buffer_refused(mask):
+    sd = MHA004(C, 8, 12, 0.1, 2).state_dict()
+    sd["mask"] = {"zeros": torch.zeros(12, 12), "tril": torch.tril(torch.ones(12, 12), -1),
+                  "diagonal kept masked": torch.triu(torch.ones(12, 12)), "values 2": 2 * _triu(12),
+                  "not square": torch.ones(12, 11)}[mask]
+    _refused(_layer004(), sd, ["'mask'"])
+
+
+def test_causal_mask_into_non_causal_layer_refused():
+    _refused(_layer004(causal=False), MHA004(C, 8, 12, 0.1, 2).state_dict(), ["causal=False", "'mask'"])
+    # 003's BidirectionalAttention has no buffer and loads into the non-causal layer; its CausalAttention does not
+    _refused(ann.Attention(C, NH, context_length=8), Causal003(C, NH, 8).state_dict(), ["causal_mask", "causal=False"])
+
+
+def test_mask_of_another_context_length_refused():
+    _refused(_layer004(context_length=10), MHA004(C, 8, 12, 0.1, 2).state_dict(), ["context_length=10"])
+
+
+def test_wrongly_shaped_key_refused_layer_unchanged():
+    sd = MHA004(C, 8, 12, 0.1, 2).state_dict()
+    sd["W_key.weight"] = torch.zeros(8, C + 1)
+    _refused(_layer004(), sd, ["W_key.weight", "expected shape"])
+    # two loaders (Wqkv through load_fused_qkv, then Wo): the first is valid, the second not, and nothing is copied
+    ref = Causal003(C, NH, 8)
+    sd = ref.state_dict()
+    sd["Wo.weight"] = torch.zeros(C, C - 1)
+    _refused(ann.Attention(C, NH, causal=True, context_length=8), sd, ["Wo.weight"])
+    sd = ref.state_dict()
+    sd["Wqkv.bias"] = torch.zeros(3 * C + 1)
+    _refused(ann.Attention(C, NH, causal=True, context_length=8), sd, ["Wqkv.bias"])
+
+
+def test_unknown_key_refused_layer_unchanged():
+    sd = CausalCross003(C, NH, S).state_dict()
+    sd["Wx.weight"] = torch.zeros(C, C)
+    _refused(ann.Attention(C, NH, causal=True, context_length=S), sd, ["unexpected", "Wx.weight", "003"])
+    sd = MHA004(C, 8, 12, 0.1, 2, qkv_bias=True).state_dict()            # biases the layer does not have
+    _refused(_layer004(), sd, ["unexpected", "W_query.bias"])
+    sd = MHA004(C, 8, 12, 0.1, 2).state_dict()
+    del sd["mask"]                                                       # a causal layer expects the buffer
+    _refused(_layer004(), sd, ["missing", "'mask'"])
+
+
+def test_integer_weight_refused():
+    sd = MHA004(C, 8, 12, 0.1, 2).state_dict()
+    sd["W_query.weight"] = torch.zeros(8, C, dtype=torch.int64)
+    _refused(_layer004(), sd, ["W_query.weight"], TypeError)
+
+
+def test_not_strict_returns_keys_and_loads_the_rest():
+    ref = Causal003(C, NH, 8)
+    sd = ref.state_dict()
+    del sd["Wo.bias"]
+    sd["extra"] = torch.zeros(3)
+    layer = ann.Attention(C, NH, causal=True, context_length=8)
+    bias_before = layer.out_proj.bias.data.copy()
+    result = layer.load_state_dict(sd, strict=False)
+    assert isinstance(result, attnpp.nn.module.IncompatibleKeys)
+    assert result == (["Wo.bias"], ["extra"])
+    assert result.missing_keys == ["Wo.bias"] and result.unexpected_keys == ["extra"]
+    np.testing.assert_array_equal(layer.out_proj.bias.data, bias_before)
+    np.testing.assert_array_equal(layer.v_proj.weight.data, ref.Wqkv.weight.detach().numpy()[2 * C:])
+    # strict refuses the same dict, naming both
+    _refused(ann.Attention(C, NH, causal=True, context_length=8), sd, ["missing", "Wo.bias", "extra"])
+
+
+def test_not_strict_fused_bias_without_its_weight():
+    ref = Causal003(C, NH, 8)
+    sd = ref.state_dict()
+    del sd["Wqkv.weight"]
+    layer = ann.Attention(C, NH, causal=True, context_length=8)
+    weight_before = layer.q_proj.weight.data.copy()
+    assert layer.load_state_dict(sd, strict=False) == (["Wqkv.weight"], [])
+    np.testing.assert_array_equal(layer.q_proj.weight.data, weight_before)
+    np.testing.assert_array_equal(layer.k_proj.bias.data, ref.Wqkv.bias.detach().numpy()[C:2 * C])
