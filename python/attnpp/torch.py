@@ -37,6 +37,7 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from . import functional as AF
+from .nn.attention import attention_config
 
 __all__ = ["scaled_dot_product_attention", "linear", "Linear", "MultiheadAttention", "Attention"]
 
@@ -406,33 +407,16 @@ class Attention(torch.nn.Module):
                  out_dropout=0.0, scale=None, context_length=None, dtype=None):
         super().__init__()
         dtype = _check_dtype(dtype)
-        E = self.embed_dim = AF.check_int(embed_dim, "embed_dim", 1)
-        self.num_heads = AF.check_int(num_heads, "num_heads", 1)
-        self.qk_dim = E if qk_dim is None else AF.check_int(qk_dim, "qk_dim", 1)
-        self.v_dim = self.qk_dim if v_dim is None else AF.check_int(v_dim, "v_dim", 1)
-        self.kv_dim = E if kv_dim is None else AF.check_int(kv_dim, "kv_dim", 1)
-        for name, width in (("qk_dim", self.qk_dim), ("v_dim", self.v_dim)):
-            if width % self.num_heads:
-                raise ValueError(f"{name} must be divisible by num_heads, got {name}={width}, "
-                                 f"num_heads={self.num_heads}")
-        AF.causal_code(causal, causal_alignment)  # (ValueError for an unknown alignment)
-        self.causal, self.causal_alignment = AF.check_bool(causal, "causal"), causal_alignment
-        self.attn_dropout = AF.check_probability(attn_dropout, "attn_dropout")
-        scale = AF.check_scale(scale)
-        self.scale = (self.qk_dim // self.num_heads) ** -0.5 if scale is None else scale
-        self.context_length = None if context_length is None else AF.check_int(context_length, "context_length", 1)
-        self.q_proj = Linear(E, self.qk_dim, bias=bias, dtype=dtype)
+        config = attention_config(embed_dim, num_heads, qk_dim, v_dim, kv_dim, out_dim, out_proj, causal,
+                                  causal_alignment, attn_dropout, out_dropout, scale, context_length)
+        out_dropout = config.pop("out_dropout")
+        self.__dict__.update(config)
+        self.q_proj = Linear(self.embed_dim, self.qk_dim, bias=bias, dtype=dtype)
         self.k_proj = Linear(self.kv_dim, self.qk_dim, bias=bias, dtype=dtype)
         self.v_proj = Linear(self.kv_dim, self.v_dim, bias=bias, dtype=dtype)
-        out_dim = None if out_dim is None else AF.check_int(out_dim, "out_dim", 1)
-        self.out_dim, self.out_proj = self.v_dim, None
-        if out_proj:
-            self.out_dim = self.v_dim if out_dim is None else out_dim
-            self.out_proj = Linear(self.v_dim, self.out_dim, bias=bias if out_bias is None else out_bias,
-                                   dtype=dtype)
-        elif out_dim is not None and out_dim != self.v_dim:
-            raise ValueError(f"out_dim={out_dim} needs out_proj=True (without it the output width is v_dim)")
-        self.out_drop = torch.nn.Dropout(AF.check_probability(out_dropout, "out_dropout"))
+        self.out_proj = Linear(self.v_dim, self.out_dim, bias=bias if out_bias is None else out_bias,
+                               dtype=dtype) if out_proj else None
+        self.out_drop = torch.nn.Dropout(out_dropout)
         self.last_seed = None
 
     def _check(self, x, context, key_padding_mask):

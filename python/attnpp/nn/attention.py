@@ -76,6 +76,34 @@ _LOADER_OPTIONS = {"load_projections": ("load_projections", {}), "load_fused_qkv
                    "load_heads": ("load_heads", {"layout": "matmul"})}
 
 
+def attention_config(embed_dim, num_heads=1, qk_dim=None, v_dim=None, kv_dim=None, out_dim=None, out_proj=True,
+                     causal=False, causal_alignment="top_left", attn_dropout=0.0, out_dropout=0.0, scale=None,
+                     context_length=None):
+    """The checked widths and options of an ``Attention`` layer (also ``attnpp.torch.Attention``'s), defaults
+    filled in: a dict of embed_dim, num_heads, qk_dim, v_dim, kv_dim, out_dim, causal, causal_alignment,
+    attn_dropout, out_dropout, scale and context_length. Raises as ``Attention`` says."""
+    E = F.check_int(embed_dim, "embed_dim", 1)
+    H = F.check_int(num_heads, "num_heads", 1)
+    qk_dim = E if qk_dim is None else F.check_int(qk_dim, "qk_dim", 1)
+    v_dim = qk_dim if v_dim is None else F.check_int(v_dim, "v_dim", 1)
+    for name, width in (("qk_dim", qk_dim), ("v_dim", v_dim)):
+        if width % H:
+            raise ValueError(f"{name} must be divisible by num_heads, got {name}={width}, num_heads={H}")
+    F.causal_code(causal, causal_alignment)  # (ValueError for an unknown alignment)
+    out_dim = None if out_dim is None else F.check_int(out_dim, "out_dim", 1)
+    if not out_proj and out_dim is not None and out_dim != v_dim:
+        raise ValueError(f"out_dim={out_dim} needs out_proj=True (without it the output width is v_dim)")
+    scale = F.check_scale(scale)
+    return dict(embed_dim=E, num_heads=H, qk_dim=qk_dim, v_dim=v_dim,
+                kv_dim=E if kv_dim is None else F.check_int(kv_dim, "kv_dim", 1),
+                out_dim=v_dim if out_dim is None or not out_proj else out_dim,
+                causal=F.check_bool(causal, "causal"), causal_alignment=causal_alignment,
+                attn_dropout=F.check_probability(attn_dropout, "attn_dropout"),
+                out_dropout=F.check_probability(out_dropout, "out_dropout"),
+                scale=(qk_dim // H) ** -0.5 if scale is None else scale,
+                context_length=None if context_length is None else F.check_int(context_length, "context_length", 1))
+
+
 def _as_array(value, name):
     """A weight given to a ``load_*`` method (NumPy array or torch tensor) as a floating ndarray, else TypeError
     naming the argument."""
@@ -152,34 +180,16 @@ class Attention(Module):
                  out_proj=True, out_bias=None, causal=False, causal_alignment="top_left", attn_dropout=0.0,
                  out_dropout=0.0, scale=None, context_length=None, dtype=None):
         super().__init__(dtype)
-        E = self.embed_dim = F.check_int(embed_dim, "embed_dim", 1)
-        self.num_heads = F.check_int(num_heads, "num_heads", 1)
-        self.qk_dim = E if qk_dim is None else F.check_int(qk_dim, "qk_dim", 1)
-        self.v_dim = self.qk_dim if v_dim is None else F.check_int(v_dim, "v_dim", 1)
-        self.kv_dim = E if kv_dim is None else F.check_int(kv_dim, "kv_dim", 1)
-        for name, width in (("qk_dim", self.qk_dim), ("v_dim", self.v_dim)):
-            if width % self.num_heads:
-                raise ValueError(f"{name} must be divisible by num_heads, got {name}={width}, "
-                                 f"num_heads={self.num_heads}")
-        self._causal_code = F.causal_code(causal, causal_alignment)
-        self.causal, self.causal_alignment = bool(causal), causal_alignment
-        self.attn_dropout = F.check_probability(attn_dropout, "attn_dropout")
-        out_dropout = F.check_probability(out_dropout, "out_dropout")
-        scale = F.check_scale(scale)
-        self.scale = (self.qk_dim // self.num_heads) ** -0.5 if scale is None else scale
-        self.context_length = None if context_length is None else F.check_int(context_length, "context_length", 1)
-        self.q_proj = Linear(E, self.qk_dim, bias=bias, dtype=self.dtype)
+        config = attention_config(embed_dim, num_heads, qk_dim, v_dim, kv_dim, out_dim, out_proj, causal,
+                                  causal_alignment, attn_dropout, out_dropout, scale, context_length)
+        out_dropout = config.pop("out_dropout")
+        self.__dict__.update(config)
+        self._causal_code = F.causal_code(self.causal, self.causal_alignment)
+        self.q_proj = Linear(self.embed_dim, self.qk_dim, bias=bias, dtype=self.dtype)
         self.k_proj = Linear(self.kv_dim, self.qk_dim, bias=bias, dtype=self.dtype)
         self.v_proj = Linear(self.kv_dim, self.v_dim, bias=bias, dtype=self.dtype)
-        out_dim = None if out_dim is None else F.check_int(out_dim, "out_dim", 1)
-        self.out_dim = self.v_dim
-        self.out_proj = None
-        if out_proj:
-            self.out_dim = self.v_dim if out_dim is None else out_dim
-            self.out_proj = Linear(self.v_dim, self.out_dim, bias=bias if out_bias is None else out_bias,
-                                   dtype=self.dtype)
-        elif out_dim is not None and out_dim != self.v_dim:
-            raise ValueError(f"out_dim={out_dim} needs out_proj=True (without it the output width is v_dim)")
+        self.out_proj = Linear(self.v_dim, self.out_dim, bias=bias if out_bias is None else out_bias,
+                               dtype=self.dtype) if out_proj else None
         self.out_drop = Dropout(out_dropout)
         self.last_seed = None  # the attention-dropout seed of the last forward (None when it had no dropout)
 
