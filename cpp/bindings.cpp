@@ -22,6 +22,22 @@ namespace {
 
 constexpr int64_t kMaxThreads = 256;  // set_num_threads' bound: far more makes libgomp fail to start them
 
+// The bytes of a C-contiguous array of `shape`: ValueError for a negative dimension, std::bad_alloc (MemoryError)
+// when the product of the nonzero dimensions exceeds what a pointer difference holds (pybind's and NumPy's
+// strides, products of the later dimensions, would overflow, even when another dimension is 0).
+std::size_t array_bytes(const std::vector<py::ssize_t>& shape, std::size_t itemsize, const char* name) {
+  const auto most = std::size_t(std::numeric_limits<py::ssize_t>::max());
+  std::size_t strided = itemsize;
+  bool empty = false;
+  for (const auto s : shape) {
+    if (s < 0) throw py::value_error(std::string(name) + ": negative dimension in shape");
+    empty = empty || s == 0;
+    if (s != 0 && strided > most / std::size_t(s)) throw std::bad_alloc();
+    strided *= s != 0 ? std::size_t(s) : 1;
+  }
+  return empty ? 0 : strided;
+}
+
 std::string shape_str(const py::array& a) {
   std::string s = "(";
   for (py::ssize_t i = 0; i < a.ndim(); ++i) s += (i ? ", " : "") + std::to_string(a.shape(i));
@@ -410,13 +426,7 @@ PYBIND11_MODULE(_core, m) {
         const char kind = dtype.kind();  // numbers only: objects (and records holding them) need initialized memory
         if (std::string("biufc").find(kind) == std::string::npos || dtype.has_fields())
           throw py::type_error("empty: expected a numeric dtype, got " + std::string(py::str(dtype)));
-        std::size_t bytes = dtype.itemsize();
-        for (const auto s : shape) {
-          if (s < 0) throw py::value_error("empty: negative dimension in shape");
-          if (s != 0 && bytes > std::numeric_limits<std::size_t>::max() / std::size_t(s)) throw std::bad_alloc();
-          bytes *= std::size_t(s);
-        }
-        void* data = pool_acquire(bytes);
+        void* data = pool_acquire(array_bytes(shape, dtype.itemsize(), "empty"));
         py::capsule owner(data, [](void* p) { pool_release(p); });
         return py::array(dtype, shape, data, owner);
       },
@@ -426,6 +436,7 @@ PYBIND11_MODULE(_core, m) {
   m.def(
       "dropout_mask",
       [](std::vector<py::ssize_t> shape, double p, uint64_t seed) {
+        array_bytes(shape, sizeof(bool), "dropout_mask");  // (before pybind computes strides that would overflow)
         py::array_t<bool> keep(shape);
         bool* ptr = keep.mutable_data();
         const int64_t count = keep.size();

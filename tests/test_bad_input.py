@@ -279,6 +279,19 @@ def test_dropout_mask_bad_input(call, exc, ws):
         call()
 
 
+# the core's own guard on shapes given to it directly (a fuzzer finding: pybind computed the strides of
+# [2**20, 2**20, -2**63, 2**20] first, a signed overflow that UBSan aborts on)
+@pytest.mark.parametrize("function", ["dropout_mask", "empty"])
+@pytest.mark.parametrize("shape, exc", [([2 ** 20, 2 ** 20, -2 ** 63, 2 ** 20], ValueError),
+                                        ([2, -1], ValueError), ([2 ** 31, 2 ** 31, 2 ** 2], MemoryError),
+                                        ([0, 2 ** 40, 2 ** 40], MemoryError)], ids=str)
+def test_core_refuses_shapes_whose_strides_overflow(function, shape, exc):
+    call = (lambda: attnpp._core.dropout_mask(shape, 0.5, 1)) if function == "dropout_mask" else \
+        (lambda: attnpp._core.empty(shape, np.dtype(np.float64)))
+    with pytest.raises(exc):
+        call()
+
+
 # ------------------------------------------------------------------------------------- linear, linear_backward
 # linear(input (2, 4), weight (3, 4), bias (3,)); linear_backward accumulates into GRAD_W (3, 4), GRAD_B (3,)
 FX, FW, FB, FGY = randn(2, 4, seed=30), randn(3, 4, seed=31), randn(3, seed=32), randn(2, 3, seed=33)
