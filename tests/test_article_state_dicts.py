@@ -3,8 +3,8 @@
 PyTorch's; a wrong mask buffer, a wrongly shaped key or an unknown key is refused with the layer unchanged, and
 ``strict=False`` returns the keys it could not place.
 
-The PyTorch modules below follow each article's class (signature, parameter names, buffers, algorithm); they are
-written for these tests, in eval mode (dropout is the identity there, so both sides are deterministic).
+The PyTorch modules below follow each article's class (signature, parameter names, buffers, algorithm): written for
+these tests, except articles 000's and 004's multi-head classes, the benchmark's; all run in eval mode (dropout is the identity there, so both sides are deterministic).
 """
 import math
 
@@ -14,6 +14,7 @@ import torch
 
 import attnpp
 import attnpp.nn as ann
+from attnpp.bench import Article000MultiheadAttention, Article004MultiHeadAttention
 
 TOL = {np.float64: 1e-10, np.float32: 1e-5}
 TORCH_DTYPE = {np.float64: torch.float64, np.float32: torch.float32}
@@ -84,43 +85,9 @@ class CausalCross003(torch.nn.Module):
         return self.out_drop(self.Wo(out.transpose(1, 2).reshape(b, s, c)))
 
 
-# ------------------------------------------------------------------------------------------- article 004
-class MHA004(torch.nn.Module):
-    def __init__(self, d_in, d_out, block_size, dropout, num_heads, qkv_bias=False):
-        super().__init__()
-        self.d_out, self.num_heads, self.head_dim = d_out, num_heads, d_out // num_heads
-        self.W_query = torch.nn.Linear(d_in, d_out, bias=qkv_bias)
-        self.W_key = torch.nn.Linear(d_in, d_out, bias=qkv_bias)
-        self.W_value = torch.nn.Linear(d_in, d_out, bias=qkv_bias)
-        self.out_proj = torch.nn.Linear(d_out, d_out)
-        self.dropout = torch.nn.Dropout(dropout)
-        self.register_buffer("mask", _triu(block_size))
-
-    def forward(self, x):
-        b, t, _ = x.shape
-        q, k, v = (f(x).view(b, t, self.num_heads, self.head_dim).transpose(1, 2)
-                   for f in (self.W_query, self.W_key, self.W_value))
-        out = _softmax_attend(q, k, v, self.mask.bool()[:t, :t], self.head_dim ** -0.5)
-        return self.out_proj(out.transpose(1, 2).contiguous().view(b, t, self.d_out))
-
-
-# ------------------------------------------------------------------------------------------- article 000
-class MHA000(torch.nn.Module):
-    def __init__(self, d_in, d_out, num_heads, context_length, qkv_bias=True):
-        super().__init__()
-        self.num_heads, self.d_head = num_heads, d_out // num_heads
-        self.w_q = torch.nn.Linear(d_in, d_out, bias=qkv_bias)
-        self.w_k = torch.nn.Linear(d_in, d_out, bias=qkv_bias)
-        self.w_v = torch.nn.Linear(d_in, d_out, bias=qkv_bias)
-        self.dropout = torch.nn.Dropout(0.1)
-        self.out_proj = torch.nn.Linear(d_out, d_out)
-        self.register_buffer("causal_mask", _triu(context_length))
-
-    def forward(self, x):
-        b, t, _ = x.shape
-        q, k, v = (f(x).reshape(b, t, self.num_heads, -1).transpose(1, 2) for f in (self.w_q, self.w_k, self.w_v))
-        out = _softmax_attend(q, k, v, self.causal_mask[:t, :t].bool(), self.d_head ** -0.5)
-        return self.out_proj(out.transpose(1, 2).flatten(-2))
+# ------------------------------------------------------------------------------- articles 004 and 000 (MHA)
+# the benchmark's PyTorch references of these two classes (the same signatures, parameter names and buffers)
+MHA004, MHA000 = Article004MultiHeadAttention, Article000MultiheadAttention
 
 
 class CausalSelf000(torch.nn.Module):

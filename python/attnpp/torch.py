@@ -374,23 +374,11 @@ class Attention(torch.nn.Module):
 
     Shape letters: B batch, L query length, S key/value (context) length, E ``embed_dim``, H ``num_heads``.
 
-    Args:
-        embed_dim (int): E, the width of ``x``.
-        num_heads (int): H; must divide ``qk_dim`` and ``v_dim``. Default: 1.
-        qk_dim (int, optional): width of the queries and keys (all heads). Default: E.
-        v_dim (int, optional): width of the values (all heads). Default: ``qk_dim``.
-        kv_dim (int, optional): width of ``context``, the key/value input. Default: E.
-        out_dim (int, optional): width of the output projection. Default: ``v_dim``.
-        bias (bool): biases on the query, key and value projections. Default: True.
-        out_proj (bool): apply an output projection ``v_dim -> out_dim``. Default: True.
-        out_bias (bool, optional): bias on the output projection. Default: ``bias``.
-        causal (bool): query i sees keys j <= i (top-left when L != S, as PyTorch's ``is_causal``). Default: False.
-        causal_alignment (str): ``"top_left"`` or ``"bottom_right"`` (query i sees keys j <= i + S - L).
-        attn_dropout (float): dropout on the attention weights in training mode. Default: 0.0.
-        out_dropout (float): dropout on the output in training mode (``torch.nn.Dropout``). Default: 0.0.
-        scale (float, optional): factor on q k^T. Default: 1 / sqrt(qk_dim / H).
-        context_length (int, optional): longest L and S accepted (ValueError beyond). Default: no limit.
-        dtype (torch.dtype, optional): float32 or float64. Default: torch's default dtype.
+    Args: those of ``attnpp.nn.Attention`` (embed_dim, num_heads=1, and keyword-only qk_dim, v_dim, kv_dim,
+    out_dim, bias=True, out_proj=True, out_bias, causal=False, causal_alignment="top_left", attn_dropout=0.0,
+    out_dropout=0.0, scale, context_length; checked by the same ``attention_config``), except ``dtype``
+    (torch.dtype, optional): float32 or float64, default torch's default dtype; the output dropout is a
+    ``torch.nn.Dropout``.
 
     Sub-modules (``attnpp.torch.Linear``, weight (out, in), torch.nn.Linear's initialisation): ``q_proj``
     (E -> qk_dim), ``k_proj`` (kv_dim -> qk_dim), ``v_proj`` (kv_dim -> v_dim), ``out_proj`` (v_dim -> out_dim,
