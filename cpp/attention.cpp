@@ -6,6 +6,7 @@
 #include "attention.hpp"
 
 #include <algorithm>
+#include <type_traits>
 
 #include "gemm.hpp"
 #include "vector_exp.hpp"
@@ -16,16 +17,31 @@ namespace {
 constexpr int64_t kBlockL = 64;     // query rows per block of the backward
 // Query rows per task of the forward and the weights: each task packs every key block it sees, so that copy is
 // amortized over this many rows (64 rows: 15% of the forward's time at AVX2; 256, as PyTorch's CPU flash
-// attention for long sequences: 4%).
+// attention for long sequences: 4%). Under a sliding window a block of R rows computes R x (R + window) scores
+// for R x window visible ones: fewer rows there.
 constexpr int64_t kForwardL = 256;
+template <typename T>
+int64_t forward_rows(const AttnConfig<T>& cfg) {
+  return cfg.window_left >= 0 ? 64 : kForwardL;
+}
 
 // Keys per block: 256 halves the forward's per-block work outside the products (rescaling the accumulated rows,
 // packing) against 128 (sdpa fwd (1,12,1024,64) against PyTorch at AVX2: 0.96 -> 1.01); 128 under the causal
-// mask, whose blocks on the diagonal compute their hidden part too.
+// mask or a window, whose blocks on the edges compute their hidden part too.
 template <typename T>
 int64_t key_block(const AttnConfig<T>& cfg) {
-  return cfg.causal == Causal::none ? 256 : 128;
+  return cfg.causal == Causal::none && cfg.window_left < 0 && cfg.window_right < 0 ? 256 : 128;
 }
+
+// A block of query rows of sequence n: heads [h0, h0 + heads) x queries [i0, i0 + rows), row r being head
+// h0 + r / rows, query i0 + r % rows. Several query heads of one key/value head share a block when the
+// sequences are short (GQA decoding: the group's rows read each key block once).
+struct RowBlock {
+  int64_t n, h0, heads, i0, rows;
+  int64_t count() const { return heads * rows; }
+  int64_t head(int64_t r) const { return h0 + r / rows; }
+  int64_t query(int64_t r) const { return i0 + r % rows; }
+};
 
 // Packs rows [r0, r0 + rows) of head (n, h) of a (rows, cols), or their transpose (cols, rows).
 template <typename T>
@@ -37,33 +53,51 @@ void pack_block(PackedB<T>& b, const View4<const T>& a, int64_t n, int64_t h, in
     b.pack(a.at(n, h, r0), a.row, 1, rows, cols);
 }
 
-// scores (rows, cols) = scale * q_blk k_blk^T + masks, with -inf above the causal diagonal; q_blk (rows, D) with
-// row stride ldq, kt = k_blk^T (D, >= cols) of the key block starting at j0, packed. Returns false when every
-// score is -inf.
+// scores (R, cols) = the scores of the rows of `b` against keys [j0, j0 + cols) of sequence `vis`:
+// scale * q_blk k_blk^T, soft-capped, plus the masks and the ALiBi bias, -inf outside each row's visible keys;
+// q_blk (R, D) with row stride ldq, kt = k_blk^T (D, >= cols) packed. With a soft cap and `dcap`, also
+// dcap (R, cols) = 1 - tanh^2, the cap's derivative. Returns false when every score is -inf.
 template <typename T>
-bool score_block(RowMat<T>& scores, const T* q_blk, int64_t ldq, const PackedB<T>& kt, int64_t rows, int64_t cols,
-                 const AttnConfig<T>& cfg, int64_t n, int64_t h, int64_t i0, int64_t j0) {
-  scores.resize(rows, cols);
-  gemm(scores.data(), cols, q_blk, ldq, int64_t(1), kt, rows, cols, cfg.D, cfg.scale, false);
-  for (const auto& m : cfg.masks)
-    for (int64_t r = 0; r < rows; ++r)
-      for (int64_t c = 0; c < cols; ++c) scores(r, c) += m.at(n, h, i0 + r, j0 + c);
-  bool any = cfg.masks.empty();
-  for (int64_t r = 0; r < rows; ++r) {
-    const int64_t first_hidden = std::max<int64_t>(0, cfg.last_key(i0 + r) + 1 - j0);
-    for (int64_t c = first_hidden; c < cols; ++c) scores(r, c) = neg_inf<T>();
-    if (!any)
-      for (int64_t c = 0; c < std::min(first_hidden, cols); ++c) any = any || scores(r, c) != neg_inf<T>();
+bool score_block(RowMat<T>& scores, std::common_type_t<RowMat<T>>* dcap, const T* q_blk, int64_t ldq, const PackedB<T>& kt,
+                 const RowBlock& b, int64_t cols, const AttnConfig<T>& cfg, const Visible& vis, int64_t j0) {
+  const int64_t R = b.count();
+  scores.resize(R, cols);
+  gemm(scores.data(), cols, q_blk, ldq, int64_t(1), kt, R, cols, cfg.D, cfg.scale, false);
+  if (cfg.softcap > 0) {  // s = softcap * tanh(s / softcap)
+    scores.array() = (scores.array() / cfg.softcap).tanh();
+    if (dcap) dcap->array() = T(1) - scores.array().square();
+    scores.array() *= cfg.softcap;
+  }
+  bool any = false;
+  for (int64_t r = 0; r < R; ++r) {
+    const int64_t h = b.head(r), i = b.query(r);
+    T* row = &scores(r, 0);
+    for (const auto& m : cfg.masks)
+      for (int64_t c = 0; c < cols; ++c) row[c] += m.at(b.n, h, i, j0 + c);
+    if (cfg.alibi) {  // -slope * |i + S - L - j|
+      const T slope = cfg.alibi[b.n * cfg.alibi_n + h];
+      const int64_t pos = i + vis.diag() - j0;
+      for (int64_t c = 0; c < cols; ++c) row[c] -= slope * T(std::abs(pos - c));
+    }
+    // the row sees columns [lo, hi)
+    const int64_t lo = std::clamp<int64_t>(vis.first_key(i) - j0, 0, cols);
+    const int64_t hi = std::clamp<int64_t>(vis.last_key(i) + 1 - j0, lo, cols);
+    std::fill(row, row + lo, neg_inf<T>());
+    std::fill(row + hi, row + cols, neg_inf<T>());
+    if (cfg.masks.empty())
+      any = any || hi > lo;
+    else
+      for (int64_t c = lo; c < hi && !any; ++c) any = row[c] != neg_inf<T>();
   }
   return any;
 }
 
-// p_blk *= keep / (1 - p), the dropout of weights (n, h, i0.., j0..).
+// p_blk *= keep / (1 - p), the dropout of the weights of block rows b against keys j0..
 template <typename T>
-void apply_dropout(RowMat<T>& p_blk, const AttnConfig<T>& cfg, int64_t n, int64_t h, int64_t i0, int64_t j0) {
+void apply_dropout(RowMat<T>& p_blk, const AttnConfig<T>& cfg, const RowBlock& b, int64_t j0) {
   const T inv_keep = T(1) / T(1 - cfg.dropout_p);
   for (int64_t r = 0; r < p_blk.rows(); ++r) {
-    const uint64_t row = ((uint64_t(n) * cfg.Hq + h) * cfg.L + i0 + r) * cfg.S + j0;
+    const uint64_t row = ((uint64_t(b.n) * cfg.Hq + b.head(r)) * cfg.L + b.query(r)) * cfg.S + j0;
     for (int64_t c = 0; c < p_blk.cols(); ++c)
       p_blk(r, c) = dropout_keep(cfg.seed, row + c, cfg.dropout_p) ? p_blk(r, c) * inv_keep : T(0);
   }
@@ -105,18 +139,11 @@ void probs_from_lse(RowMat<T>& p_blk, const T* lse) {
   }
 }
 
-// Width of key block [j0, ..) seen by query rows [i0, i0 + rows): the block cut at the causal diagonal, so that
-// the blocks on the diagonal compute no more columns than their last row can see.
+// log(exp(a) + exp(b)), -inf when both are.
 template <typename T>
-int64_t visible_cols(const AttnConfig<T>& cfg, int64_t i0, int64_t rows, int64_t j0) {
-  return std::min(std::min(key_block(cfg), cfg.S - j0), cfg.last_key(i0 + rows - 1) + 1 - j0);
-}
-
-// Key blocks [0, end) a query block [i0, i0 + rows) can see under the causal mask.
-template <typename T>
-int64_t key_blocks_for(const AttnConfig<T>& cfg, int64_t i0, int64_t rows) {
-  const int64_t last = cfg.last_key(i0 + rows - 1);
-  return last < 0 ? 0 : ceil_div(last + 1, key_block(cfg));
+T log_add_exp(T a, T b) {
+  const T hi = std::max(a, b), lo = std::min(a, b);
+  return hi == neg_inf<T>() ? hi : hi + std::log1p(std::exp(lo - hi));
 }
 
 }  // namespace
@@ -124,25 +151,51 @@ int64_t key_blocks_for(const AttnConfig<T>& cfg, int64_t i0, int64_t rows) {
 template <typename T>
 void sdpa_forward(const View4<T>& out, T* logsumexp, const View4<const T>& q, const View4<const T>& k,
                   const View4<const T>& v, const AttnConfig<T>& cfg) {
-  const int64_t q_blocks = ceil_div(cfg.L, kForwardL), bs = key_block(cfg);  // bs: keys per block
+  const int64_t bl = forward_rows(cfg), bs = key_block(cfg), g = cfg.group();  // bs: keys per block
+  // One task: a block of query rows of (n, key/value head); the heads of the group share blocks when L is short.
+  const int64_t heads_per_block = std::clamp<int64_t>(bl / std::max<int64_t>(cfg.L, 1), 1, std::max<int64_t>(g, 1));
+  const int64_t row_blocks = ceil_div(cfg.L, bl), head_blocks = ceil_div(g, heads_per_block);
+  const int64_t tasks_per_n = cfg.Hk * head_blocks * row_blocks;
   parallel_for(
-      cfg.N * cfg.Hq * q_blocks, cfg.work(),
+      cfg.N * tasks_per_n, cfg.work(),
       [&](int64_t task) {
-        const int64_t n = task / (cfg.Hq * q_blocks), h = task / q_blocks % cfg.Hq, qb = task % q_blocks;
-        thread_local PackedB<T> kt, vb;        // (D, Bc) k_blk^T, (Bc, Dv) v_blk
-        thread_local RowMat<T> s_blk, acc;      // (Br, Bc) scores then weights; (Br, Dv) output
+        const int64_t n = task / tasks_per_n, hk = task % tasks_per_n / (head_blocks * row_blocks);
+        const int64_t hb = task / row_blocks % head_blocks, i0 = task % row_blocks * bl;
+        const Visible vis = cfg.seq(n);
+        if (i0 >= vis.L) return;
+        const int64_t h0 = hk * g + hb * heads_per_block;
+        const RowBlock b{n, h0, std::min(heads_per_block, (hk + 1) * g - h0), i0, std::min(bl, vis.L - i0)};
+        thread_local PackedB<T> kt, vb;                   // (D, Bc) k_blk^T, (Bc, Dv) v_blk
+        thread_local RowMat<T> s_blk, acc, q_rows;        // (Br, Bc) scores then weights; (Br, Dv) output
         thread_local Eigen::Matrix<T, Eigen::Dynamic, 1> m, l;  // (Br) running max and running sum
-        const int64_t hk = h / cfg.group(), i0 = qb * kForwardL, rows = std::min(kForwardL, cfg.L - i0);
-        acc.setZero(rows, cfg.Dv);
-        m.setConstant(rows, neg_inf<T>());
-        l.setZero(rows);
-        const int64_t k_blocks = key_blocks_for(cfg, i0, rows);
-        for (int64_t kb = 0; kb < k_blocks; ++kb) {
-          // rows [r0, rows) see keys of this block: the causal mask hides it from the rows before r0
-          const int64_t j0 = kb * bs, cols = visible_cols(cfg, i0, rows, j0);
-          const int64_t r0 = std::clamp<int64_t>(cfg.first_query(j0) - i0, 0, rows), br = rows - r0;
-          pack_block(kt, k, n, hk, j0, cols, cfg.D, true);
-          if (!score_block(s_blk, q.at(n, h, i0 + r0), q.row, kt, br, cols, cfg, n, h, i0 + r0, j0)) continue;
+        const int64_t R = b.count();
+        // the block's query rows: in place for one head, gathered for several
+        const T* q_blk = q.at(n, h0, vis.q0 + i0);
+        int64_t ldq = q.row;
+        if (b.heads > 1) {
+          q_rows.resize(R, cfg.D);
+          for (int64_t r = 0; r < R; ++r)
+            std::copy_n(q.at(n, b.head(r), vis.q0 + b.query(r)), cfg.D, &q_rows(r, 0));
+          q_blk = q_rows.data(), ldq = cfg.D;
+        }
+        acc.setZero(R, cfg.Dv);
+        m.setConstant(R, neg_inf<T>());
+        l.setZero(R);
+        const int64_t j_end = std::min(vis.S, vis.last_key(i0 + b.rows - 1) + 1);
+        for (int64_t j0 = vis.first_key(i0); j0 < j_end; j0 += bs) {
+          const int64_t cols = std::min(bs, j_end - j0);
+          // rows [r0, r0 + br) see keys of this block (a one-head block: the others are hidden from it)
+          RowBlock sub = b;
+          int64_t r0 = 0;
+          if (b.heads == 1) {
+            r0 = std::clamp<int64_t>(vis.first_query(j0) - i0, 0, b.rows);
+            sub.i0 = i0 + r0;
+            sub.rows = std::clamp<int64_t>(vis.last_query(j0 + cols - 1) + 1 - i0, r0, b.rows) - r0;
+            if (sub.rows == 0) continue;
+          }
+          const int64_t br = sub.count();
+          pack_block(kt, k, n, hk, vis.k0 + j0, cols, cfg.D, true);
+          if (!score_block(s_blk, nullptr, q_blk + r0 * ldq, ldq, kt, sub, cols, cfg, vis, j0)) continue;
           for (int64_t r = 0; r < br; ++r) {
             // the new running max; NaN once a score is NaN, so that the row comes out NaN as in PyTorch
             const T blk_max = s_blk.row(r).template maxCoeff<Eigen::PropagateNaN>();
@@ -156,21 +209,29 @@ void sdpa_forward(const View4<T>& out, T* logsumexp, const View4<const T>& q, co
             acc.row(r0 + r) *= alpha;
             m(r0 + r) = m_new;
           }
-          if (cfg.dropout_p > 0) apply_dropout(s_blk, cfg, n, h, i0 + r0, j0);
+          if (cfg.dropout_p > 0) apply_dropout(s_blk, cfg, sub, j0);
           // acc += p v_blk
-          pack_block(vb, v, n, hk, j0, cols, cfg.Dv, false);
+          pack_block(vb, v, n, hk, vis.k0 + j0, cols, cfg.Dv, false);
           gemm(acc.data() + r0 * cfg.Dv, cfg.Dv, s_blk.data(), cols, int64_t(1), vb, br, cfg.Dv, cols, T(1),
                true);
         }
-        auto o_blk = MapRows<T>(out.at(n, h, i0), rows, cfg.Dv, Eigen::OuterStride<>(out.row));
-        T* lse = logsumexp + (n * cfg.Hq + h) * cfg.L + i0;
-        for (int64_t r = 0; r < rows; ++r) {
-          if (l(r) == 0) {  // fully masked row: output 0, never NaN
-            o_blk.row(r).setZero();
-            lse[r] = neg_inf<T>();
+        for (int64_t r = 0; r < R; ++r) {
+          const int64_t h = b.head(r), i = b.query(r);
+          auto o_row = Eigen::Map<Eigen::Matrix<T, 1, Eigen::Dynamic>>(out.at(n, h, vis.q0 + i), cfg.Dv);
+          T& lse = logsumexp[cfg.lse_index(n, h, i)];
+          const T lse_keys = l(r) == 0 ? neg_inf<T>() : m(r) + std::log(l(r));
+          if (cfg.sinks) {  // the sink joins the denominator: lse = log(exp(lse_keys) + exp(sink))
+            lse = log_add_exp(lse_keys, cfg.sinks[h]);
+            if (l(r) == 0)
+              o_row.setZero();
+            else
+              o_row = acc.row(r) * (std::exp(lse_keys - lse) / l(r));
+          } else if (l(r) == 0) {  // fully masked row: output 0, never NaN
+            o_row.setZero();
+            lse = neg_inf<T>();
           } else {  // (NaN in the row's scores makes l NaN: the row's output is NaN)
-            o_blk.row(r) = acc.row(r) / l(r);
-            lse[r] = m(r) + std::log(l(r));
+            o_row = acc.row(r) / l(r);
+            lse = lse_keys;
           }
         }
       },
@@ -178,46 +239,59 @@ void sdpa_forward(const View4<T>& out, T* logsumexp, const View4<const T>& q, co
 }
 
 template <typename T>
-void sdpa_backward(const View4<T>& dq, const View4<T>& dk, const View4<T>& dv, const View4<const T>& dout,
-                   const View4<const T>& out, const T* logsumexp, const View4<const T>& q,
-                   const View4<const T>& k, const View4<const T>& v, const AttnConfig<T>& cfg) {
+void sdpa_backward(const View4<T>& dq, const View4<T>& dk, const View4<T>& dv, T* dsinks,
+                   const View4<const T>& dout, const View4<const T>& out, const T* logsumexp,
+                   const View4<const T>& q, const View4<const T>& k, const View4<const T>& v,
+                   const AttnConfig<T>& cfg) {
   // delta (N, Hq, L) = rowsum(dout * out): the softmax backward's sum_j P_ij dP_ij, dropout included.
   // Summed in a fixed order (not Eigen's alignment-dependent reduction) so that results are reproducible.
-  std::vector<T> delta(cfg.N * cfg.Hq * cfg.L);
-  parallel_for(cfg.N * cfg.Hq, cfg.N * cfg.Hq * cfg.L * cfg.Dv, [&](int64_t nh) {
+  // The sinks' gradient: dsink_h = -sum_(n, i) P_(n,h,i),sink delta_(n,h,i)  <- the sink takes no value
+  std::vector<T> delta(cfg.lse_size()), dsink_nh(cfg.sinks ? cfg.N * cfg.Hq : 0);
+  parallel_for(cfg.N * cfg.Hq, cfg.lse_size() * cfg.Dv, [&](int64_t nh) {
     const int64_t n = nh / cfg.Hq, h = nh % cfg.Hq;
-    for (int64_t i = 0; i < cfg.L; ++i) {
-      const T *do_row = dout.at(n, h, i), *o_row = out.at(n, h, i);
+    const Visible vis = cfg.seq(n);
+    T dsink = 0;
+    for (int64_t i = 0; i < vis.L; ++i) {
+      const T *do_row = dout.at(n, h, vis.q0 + i), *o_row = out.at(n, h, vis.q0 + i);
       T sum = 0;
       for (int64_t c = 0; c < cfg.Dv; ++c) sum += do_row[c] * o_row[c];
-      delta[nh * cfg.L + i] = sum;
+      const int64_t idx = cfg.lse_index(n, h, i);
+      delta[idx] = sum;
+      if (cfg.sinks && logsumexp[idx] != neg_inf<T>()) dsink -= std::exp(cfg.sinks[h] - logsumexp[idx]) * sum;
     }
+    if (cfg.sinks) dsink_nh[nh] = dsink;
   });
-  const int64_t bs = key_block(cfg), k_blocks = ceil_div(cfg.S, bs), q_blocks = ceil_div(cfg.L, kBlockL);
+  if (cfg.sinks && dsinks)
+    for (int64_t nh = 0; nh < cfg.N * cfg.Hq; ++nh) dsinks[nh % cfg.Hq] += dsink_nh[nh];
+  const int64_t bs = key_block(cfg);
   // One thread owns a (n, key/value head) pair: it alone writes that pair's dk, dv and, since each query
   // head belongs to one key/value head, its query heads' dq.
   parallel_for(
       cfg.N * cfg.Hk, cfg.work(),
       [&](int64_t task) {
         const int64_t n = task / cfg.Hk, hk = task % cfg.Hk;
-        thread_local PackedB<T> kt, vt, kp, qp, dop;  // k_blk^T, v_blk^T, k_blk; q_blk, dout_blk
-        thread_local RowMat<T> p_blk, dp_blk, pd_blk;   // (Br, Bc)
-        for (int64_t kb = 0; kb < k_blocks; ++kb) {
-          const int64_t j0 = kb * bs, width = std::min(bs, cfg.S - j0);
-          pack_block(kt, k, n, hk, j0, width, cfg.D, true);
-          pack_block(vt, v, n, hk, j0, width, cfg.Dv, true);
-          pack_block(kp, k, n, hk, j0, width, cfg.D, false);
+        const Visible vis = cfg.seq(n);
+        thread_local PackedB<T> kt, vt, kp, qp, dop;       // k_blk^T, v_blk^T, k_blk; q_blk, dout_blk
+        thread_local RowMat<T> p_blk, dp_blk, pd_blk, dcap;  // (Br, Bc)
+        for (int64_t j0 = 0; j0 < vis.S; j0 += bs) {
+          const int64_t width = std::min(bs, vis.S - j0);
+          // the query rows [i_begin, i_end) that see keys of this block
+          const int64_t i_begin = std::max<int64_t>(0, vis.first_query(j0));
+          const int64_t i_end = std::min(vis.L, vis.last_query(j0 + width - 1) + 1);
+          if (i_begin >= i_end) continue;
+          pack_block(kt, k, n, hk, vis.k0 + j0, width, cfg.D, true);
+          pack_block(vt, v, n, hk, vis.k0 + j0, width, cfg.Dv, true);
+          pack_block(kp, k, n, hk, vis.k0 + j0, width, cfg.D, false);
           for (int64_t h = hk * cfg.group(); h < (hk + 1) * cfg.group(); ++h)
-            for (int64_t qb = 0; qb < q_blocks; ++qb) {
-              const int64_t i0 = qb * kBlockL, rows = std::min(kBlockL, cfg.L - i0);
-              if (key_blocks_for(cfg, i0, rows) <= kb) continue;  // block wholly above the causal diagonal
-              const int64_t cols = visible_cols(cfg, i0, rows, j0);
-              const T* q_blk = q.at(n, h, i0);
-              const T* do_blk = dout.at(n, h, i0);
-              const T* lse = logsumexp + (n * cfg.Hq + h) * cfg.L + i0;
-              const T* dlt = delta.data() + (n * cfg.Hq + h) * cfg.L + i0;
-              // s = scale * q k^T + mask;  p = exp(s - lse)
-              if (!score_block(p_blk, q_blk, q.row, kt, rows, cols, cfg, n, h, i0, j0)) continue;
+            for (int64_t i0 = i_begin / kBlockL * kBlockL; i0 < i_end; i0 += kBlockL) {
+              const RowBlock b{n, h, 1, i0, std::min(kBlockL, vis.L - i0)};
+              const int64_t rows = b.rows, cols = std::min(width, vis.last_key(i0 + rows - 1) + 1 - j0);
+              const T* q_blk = q.at(n, h, vis.q0 + i0);
+              const T* do_blk = dout.at(n, h, vis.q0 + i0);
+              const T* lse = logsumexp + cfg.lse_index(n, h, i0);
+              const T* dlt = delta.data() + cfg.lse_index(n, h, i0);
+              // s = softcap(scale * q k^T) + bias;  p = exp(s - lse)
+              if (!score_block(p_blk, &dcap, q_blk, q.row, kt, b, cols, cfg, vis, j0)) continue;
               probs_from_lse(p_blk, lse);
               // dp_dropped = dout v^T            <- out = p_dropped v
               dp_blk.resize(rows, cols);
@@ -225,19 +299,24 @@ void sdpa_backward(const View4<T>& dq, const View4<T>& dk, const View4<T>& dv, c
               const RowMat<T>* p_used = &p_blk;  // the weights that multiplied v in the forward
               if (cfg.dropout_p > 0) {
                 pd_blk = p_blk;
-                apply_dropout(pd_blk, cfg, n, h, i0, j0);
-                apply_dropout(dp_blk, cfg, n, h, i0, j0);  // dp = dp_dropped * keep / (1 - p)
+                apply_dropout(pd_blk, cfg, b, j0);
+                apply_dropout(dp_blk, cfg, b, j0);  // dp = dp_dropped * keep / (1 - p)
                 p_used = &pd_blk;
               }
               // dv += p_used^T dout
-              pack_block(dop, dout, n, h, i0, rows, cfg.Dv, false);
-              gemm(dv.at(n, hk, j0), dv.row, p_used->data(), int64_t(1), cols, dop, cols, cfg.Dv, rows, T(1), true);
+              pack_block(dop, dout, n, h, vis.q0 + i0, rows, cfg.Dv, false);
+              gemm(dv.at(n, hk, vis.k0 + j0), dv.row, p_used->data(), int64_t(1), cols, dop, cols, cfg.Dv, rows,
+                   T(1), true);
               // ds = p * (dp - delta)            <- p = softmax(s)
               for (int64_t r = 0; r < rows; ++r) p_blk.row(r).array() *= dp_blk.row(r).array() - dlt[r];
-              // dq += scale * ds k;  dk += scale * ds^T q   <- s = scale * q k^T
-              gemm(dq.at(n, h, i0), dq.row, p_blk.data(), cols, int64_t(1), kp, rows, cfg.D, cols, cfg.scale, true);
-              pack_block(qp, q, n, h, i0, rows, cfg.D, false);
-              gemm(dk.at(n, hk, j0), dk.row, p_blk.data(), int64_t(1), cols, qp, cols, cfg.D, rows, cfg.scale, true);
+              // ds_raw = ds * (1 - tanh^2)       <- s = softcap * tanh(s_raw / softcap)
+              if (cfg.softcap > 0) p_blk.array() *= dcap.array();
+              // dq += scale * ds k;  dk += scale * ds^T q   <- s_raw = scale * q k^T
+              gemm(dq.at(n, h, vis.q0 + i0), dq.row, p_blk.data(), cols, int64_t(1), kp, rows, cfg.D, cols,
+                   cfg.scale, true);
+              pack_block(qp, q, n, h, vis.q0 + i0, rows, cfg.D, false);
+              gemm(dk.at(n, hk, vis.k0 + j0), dk.row, p_blk.data(), int64_t(1), cols, qp, cols, cfg.D, rows,
+                   cfg.scale, true);
             }
         }
       },
@@ -253,6 +332,7 @@ void sdpa_weights(T* weights, const T* logsumexp, const View4<const T>& q, const
       cfg.N * heads_out * q_blocks, cfg.work(),
       [&](int64_t task) {
         const int64_t n = task / (heads_out * q_blocks), ho = task / q_blocks % heads_out, qb = task % q_blocks;
+        const Visible vis = cfg.seq(n);
         thread_local PackedB<T> kt;     // (D, Bc) k_blk^T
         thread_local RowMat<T> p_blk;   // (Br, Bc) weights
         const int64_t i0 = qb * kForwardL, rows = std::min(kForwardL, cfg.L - i0);
@@ -263,10 +343,11 @@ void sdpa_weights(T* weights, const T* logsumexp, const View4<const T>& q, const
           auto w = MapRows<T>(weights + ((n * heads_out + ho) * cfg.L + i0) * cfg.S + j0, rows, cols,
                               Eigen::OuterStride<>(cfg.S));
           for (int64_t h = h_begin; h < h_end; ++h) {
+            const RowBlock b{n, h, 1, i0, rows};
             pack_block(kt, k, n, h / cfg.group(), j0, cols, cfg.D, true);
-            score_block(p_blk, q.at(n, h, i0), q.row, kt, rows, cols, cfg, n, h, i0, j0);
-            probs_from_lse(p_blk, logsumexp + (n * cfg.Hq + h) * cfg.L + i0);
-            if (cfg.dropout_p > 0) apply_dropout(p_blk, cfg, n, h, i0, j0);
+            score_block(p_blk, nullptr, q.at(n, h, i0), q.row, kt, b, cols, cfg, vis, j0);
+            probs_from_lse(p_blk, logsumexp + cfg.lse_index(n, h, i0));
+            if (cfg.dropout_p > 0) apply_dropout(p_blk, cfg, b, j0);
             if (h == h_begin)
               w = p_blk;
             else
@@ -284,7 +365,7 @@ void sdpa_weights(T* weights, const T* logsumexp, const View4<const T>& q, const
 #define ATTNPP_INSTANTIATE(T)                                                                                  \
   template void sdpa_forward<T>(const View4<T>&, T*, const View4<const T>&, const View4<const T>&,            \
                                 const View4<const T>&, const AttnConfig<T>&);                                 \
-  template void sdpa_backward<T>(const View4<T>&, const View4<T>&, const View4<T>&, const View4<const T>&,    \
+  template void sdpa_backward<T>(const View4<T>&, const View4<T>&, const View4<T>&, T*, const View4<const T>&, \
                                  const View4<const T>&, const T*, const View4<const T>&,                      \
                                  const View4<const T>&, const View4<const T>&, const AttnConfig<T>&);         \
   template void sdpa_weights<T>(T*, const T*, const View4<const T>&, const View4<const T>&,                   \

@@ -5,16 +5,18 @@
 
 namespace attnpp::ATTNPP_CPU_NS {
 
-// out = softmax(scale * q k^T + masks + causal) (with dropout) v, one (n, h) at a time.
-// out (N, Hq, L, Dv), logsumexp (N, Hq, L) contiguous, q (N, Hq, L, D), k (N, Hk, S, D), v (N, Hk, S, Dv).
-// A query row whose keys are all masked gets out = 0 and logsumexp = -inf.
+// out = softmax(softcap(scale * q k^T) + masks + alibi, hidden keys -inf, sink) (with dropout) v.
+// out (N, Hq, L, Dv), logsumexp (N, Hq, L) contiguous, q (N, Hq, L, D), k (N, Hk, S, D), v (N, Hk, S, Dv); with
+// packed sequences (cfg.cu_q, cu_k) the arrays have batch stride 0 and rows cu[n].., logsumexp is (Hq, total L).
+// A query row whose keys are all masked gets out = 0 and logsumexp = -inf (the sink's logit with sinks).
 template <typename T>
 void sdpa_forward(const View4<T>& out, T* logsumexp, const View4<const T>& q, const View4<const T>& k,
                   const View4<const T>& v, const AttnConfig<T>& cfg);
 
-// Gradients of sdpa_forward, accumulated (+=) into dq (N, Hq, L, D), dk (N, Hk, S, D), dv (N, Hk, S, Dv).
+// Gradients of sdpa_forward, accumulated (+=) into dq (N, Hq, L, D), dk (N, Hk, S, D), dv (N, Hk, S, Dv) and,
+// with cfg.sinks and when not null, dsinks (Hq).
 template <typename T>
-void sdpa_backward(const View4<T>& dq, const View4<T>& dk, const View4<T>& dv, const View4<const T>& dout,
+void sdpa_backward(const View4<T>& dq, const View4<T>& dk, const View4<T>& dv, T* dsinks, const View4<const T>& dout,
                    const View4<const T>& out, const T* logsumexp, const View4<const T>& q,
                    const View4<const T>& k, const View4<const T>& v, const AttnConfig<T>& cfg);
 

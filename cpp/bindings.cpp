@@ -150,83 +150,180 @@ void check_mask_bounds(const py::array& a, const std::vector<int64_t>& offsets, 
       throw py::value_error("attn_mask: batch offsets and strides reach outside the mask array");
 }
 
-// `offsets` keeps copies of the masks' batch offsets (see int64_copy), which cfg.masks point into.
+// The options of the attention variants (_core.AttentionVariants), one object so that the sdpa entry points keep
+// one signature: sliding window, soft cap, ALiBi slopes (N or 1, Hq), sinks (Hq), packed sequences
+// (cu_seqlens_q, cu_seqlens_k (N + 1) int64) or a KV cache's key counts (seqlens_k (N) int64).
+struct Variants {
+  int64_t window_left = -1, window_right = -1;
+  double softcap = 0;
+  py::object alibi_slopes = py::none(), sinks = py::none();
+  py::object cu_seqlens_q = py::none(), cu_seqlens_k = py::none(), seqlens_k = py::none();
+};
+
+// An attention problem: the config and the copies of the small arrays it points into (offsets and lengths are
+// checked, then used with the GIL released, when another Python thread could change the arrays: see int64_copy).
 template <typename T>
-AttnConfig<T> make_config(const py::array& q, const py::array& k, int64_t Dv, const std::vector<MaskArg>& masks,
-                          double scale, int causal, double dropout_p, uint64_t seed,
-                          std::vector<std::vector<int64_t>>& offsets) {
+struct Problem {
   AttnConfig<T> cfg;
-  cfg.N = q.shape(0), cfg.Hq = q.shape(1), cfg.L = q.shape(2), cfg.D = q.shape(3);
-  cfg.Hk = k.shape(1), cfg.S = k.shape(2), cfg.Dv = Dv;
-  expect_shape(k, "key", {cfg.N, cfg.Hk, cfg.S, cfg.D});
-  if (cfg.Hk == 0 ? cfg.Hq != 0 : cfg.Hq % cfg.Hk != 0)
-    throw py::value_error("query heads (" + std::to_string(cfg.Hq) + ") must be a multiple of key heads (" +
-                          std::to_string(cfg.Hk) + ")");
-  if (causal < 0 || causal > 2) throw py::value_error("causal must be 0, 1 or 2");
-  if (!(dropout_p >= 0 && dropout_p < 1)) throw py::value_error("dropout_p must be in [0, 1)");
-  cfg.scale = T(scale), cfg.causal = Causal(causal), cfg.dropout_p = dropout_p, cfg.seed = seed;
-  for (const auto& m : masks) {
-    const auto& batch_offsets = std::get<1>(m);
-    if (batch_offsets.ndim() != 1 || batch_offsets.shape(0) != cfg.N)
-      throw py::value_error("mask batch offsets: expected shape (" + std::to_string(cfg.N) + ",)");
-    check_dtype<T>(std::get<0>(m), "attn_mask");
-    offsets.push_back(int64_copy(batch_offsets, "mask batch offsets"));
-    check_mask_bounds<T>(std::get<0>(m), offsets.back(), cfg.N, cfg.Hq, cfg.L, cfg.S, std::get<2>(m),
-                         std::get<3>(m), std::get<4>(m));
-    cfg.masks.push_back(MaskView<T>{static_cast<const T*>(std::get<0>(m).data()), offsets.back().data(),
-                                    std::get<2>(m), std::get<3>(m), std::get<4>(m)});
+  std::vector<std::vector<int64_t>> offsets;
+  std::vector<int64_t> cu_q, cu_k, seqlens_k;
+  std::vector<T> alibi, sinks;
+  Problem() = default;
+  Problem(const Problem&) = delete;  // cfg points into the vectors
+
+  // From query (N, Hq, L, D) and key (N, Hk, S, D) (N = 1 for packed sequences: L and S are then the total
+  // lengths), value's width Dv and the options.
+  Problem(const py::array& q, const py::array& k, int64_t Dv, const std::vector<MaskArg>& masks, double scale,
+          int causal, double dropout_p, uint64_t seed, const Variants* var) {
+    cfg.N = q.shape(0), cfg.Hq = q.shape(1), cfg.L = q.shape(2), cfg.D = q.shape(3);
+    cfg.Hk = k.shape(1), cfg.S = k.shape(2), cfg.Dv = Dv;
+    expect_shape(k, "key", {cfg.N, cfg.Hk, cfg.S, cfg.D});
+    if (cfg.Hk == 0 ? cfg.Hq != 0 : cfg.Hq % cfg.Hk != 0)
+      throw py::value_error("query heads (" + std::to_string(cfg.Hq) + ") must be a multiple of key heads (" +
+                            std::to_string(cfg.Hk) + ")");
+    if (causal < 0 || causal > 2) throw py::value_error("causal must be 0, 1 or 2");
+    if (!(dropout_p >= 0 && dropout_p < 1)) throw py::value_error("dropout_p must be in [0, 1)");
+    cfg.scale = T(scale), cfg.causal = Causal(causal), cfg.dropout_p = dropout_p, cfg.seed = seed;
+    for (const auto& m : masks) {
+      const auto& batch_offsets = std::get<1>(m);
+      if (batch_offsets.ndim() != 1 || batch_offsets.shape(0) != cfg.N)
+        throw py::value_error("mask batch offsets: expected shape (" + std::to_string(cfg.N) + ",)");
+      check_dtype<T>(std::get<0>(m), "attn_mask");
+      offsets.push_back(int64_copy(batch_offsets, "mask batch offsets"));
+      check_mask_bounds<T>(std::get<0>(m), offsets.back(), cfg.N, cfg.Hq, cfg.L, cfg.S, std::get<2>(m),
+                           std::get<3>(m), std::get<4>(m));
+      cfg.masks.push_back(MaskView<T>{static_cast<const T*>(std::get<0>(m).data()), offsets.back().data(),
+                                      std::get<2>(m), std::get<3>(m), std::get<4>(m)});
+    }
+    if (var) add_variants(*var);
   }
-  return cfg;
-}
+
+  // The views of packed sequences read rows cu[n].. of the one batch entry.
+  template <typename A>
+  View4<A> rows_of(View4<A> v, bool queries) const {
+    if (queries ? cfg.cu_q : cfg.cu_k) v.n = 0;
+    return v;
+  }
+
+ private:
+  // A small array of T copied, of `count` elements (any shape), else TypeError/ValueError.
+  static std::vector<T> copy_of(const py::object& o, const char* name, int64_t count) {
+    const auto a = *optional_array(o, name);
+    const T* p = contiguous_ptr<T>(a, name, false);
+    if (a.size() != count) throw py::value_error(std::string(name) + ": expected " + std::to_string(count) +
+                                                 " values, got shape " + shape_str(a));
+    return std::vector<T>(p, p + count);
+  }
+
+  // Cumulative lengths (N + 1), from 0, non-decreasing, to `total`; returns the longest sequence.
+  static int64_t check_cumulative(const std::vector<int64_t>& cu, int64_t total, const char* name) {
+    int64_t longest = 0;
+    bool ok = !cu.empty() && cu.front() == 0 && cu.back() == total;
+    for (size_t n = 1; ok && n < cu.size(); ++n) {
+      ok = cu[n] >= cu[n - 1];
+      longest = std::max(longest, cu[n] - cu[n - 1]);
+    }
+    if (!ok)
+      throw py::value_error(std::string(name) + ": expected non-decreasing offsets from 0 to " +
+                            std::to_string(total));
+    return longest;
+  }
+
+  void add_variants(const Variants& var) {
+    cfg.window_left = var.window_left, cfg.window_right = var.window_right;
+    if (!(var.softcap >= 0 && std::isfinite(var.softcap))) throw py::value_error("softcap must be >= 0 and finite");
+    cfg.softcap = T(var.softcap);
+    if (!var.alibi_slopes.is_none()) {
+      const auto a = *optional_array(var.alibi_slopes, "alibi_slopes");
+      if (a.ndim() != 2 || a.shape(1) != cfg.Hq || (a.shape(0) != 1 && a.shape(0) != cfg.N))
+        throw py::value_error("alibi_slopes: expected shape (1 or " + std::to_string(cfg.N) + ", " +
+                              std::to_string(cfg.Hq) + "), got " + shape_str(a));
+      alibi = copy_of(var.alibi_slopes, "alibi_slopes", a.size());
+      cfg.alibi = alibi.data(), cfg.alibi_n = a.shape(0) == 1 ? 0 : cfg.Hq;
+    }
+    if (!var.sinks.is_none()) {
+      sinks = copy_of(var.sinks, "sinks", cfg.Hq);
+      cfg.sinks = sinks.data();
+    }
+    if (!var.cu_seqlens_q.is_none() || !var.cu_seqlens_k.is_none()) {
+      if (var.cu_seqlens_q.is_none() || var.cu_seqlens_k.is_none() || !var.seqlens_k.is_none())
+        throw py::value_error("cu_seqlens_q and cu_seqlens_k go together, without seqlens_k");
+      if (cfg.N != 1 || !cfg.masks.empty())
+        throw py::value_error("packed sequences: expected one batch entry and no mask");
+      cu_q = int64_copy(*optional_array(var.cu_seqlens_q, "cu_seqlens_q"), "cu_seqlens_q");
+      cu_k = int64_copy(*optional_array(var.cu_seqlens_k, "cu_seqlens_k"), "cu_seqlens_k");
+      if (cu_q.size() != cu_k.size())
+        throw py::value_error("cu_seqlens_q and cu_seqlens_k: expected the same number of sequences");
+      const int64_t L = check_cumulative(cu_q, cfg.L, "cu_seqlens_q");
+      cfg.S = check_cumulative(cu_k, cfg.S, "cu_seqlens_k"), cfg.L = L;
+      cfg.N = int64_t(cu_q.size()) - 1, cfg.cu_q = cu_q.data(), cfg.cu_k = cu_k.data();
+    } else if (!var.seqlens_k.is_none()) {
+      seqlens_k = int64_copy(*optional_array(var.seqlens_k, "seqlens_k"), "seqlens_k");
+      if (int64_t(seqlens_k.size()) != cfg.N) throw py::value_error("seqlens_k: expected one length per batch entry");
+      for (const auto s : seqlens_k)
+        if (s < 0 || s > cfg.S) throw py::value_error("seqlens_k: lengths must be in [0, S]");
+      if (!cfg.masks.empty()) throw py::value_error("seqlens_k: no mask with a KV cache");
+      cfg.seqlens_k = seqlens_k.data();
+    }
+  }
+};
 
 template <typename T>
 void sdpa_forward_t(const py::array& out, const py::array& lse, const py::array& q, const py::array& k,
                     const py::array& v, const std::vector<MaskArg>& masks, double scale, int causal,
-                    double dropout_p, uint64_t seed) {
-  const auto qv = view4<T, const T>(q, "query", false), kv = view4<T, const T>(k, "key", false);
-  const auto vv = view4<T, const T>(v, "value", false);
-  std::vector<std::vector<int64_t>> offsets;
-  const auto cfg = make_config<T>(q, k, v.shape(3), masks, scale, causal, dropout_p, seed, offsets);
-  expect_shape(v, "value", {cfg.N, cfg.Hk, cfg.S, cfg.Dv});
-  expect_shape(out, "out", {cfg.N, cfg.Hq, cfg.L, cfg.Dv});
-  expect_shape(lse, "logsumexp", {cfg.N, cfg.Hq, cfg.L});
-  const auto ov = view4<T, T>(out, "out", true);
+                    double dropout_p, uint64_t seed, const Variants* var) {
+  auto qv = view4<T, const T>(q, "query", false), kv = view4<T, const T>(k, "key", false);
+  auto vv = view4<T, const T>(v, "value", false);
+  const Problem<T> p(q, k, v.shape(3), masks, scale, causal, dropout_p, seed, var);
+  expect_shape(v, "value", {k.shape(0), k.shape(1), k.shape(2), v.shape(3)});
+  expect_shape(out, "out", {q.shape(0), q.shape(1), q.shape(2), v.shape(3)});
+  expect_shape(lse, "logsumexp", {q.shape(0), q.shape(1), q.shape(2)});
+  const auto ov = p.rows_of(view4<T, T>(out, "out", true), true);
   T* lse_p = contiguous_ptr<T>(lse, "logsumexp", true);
   py::gil_scoped_release release;
-  kernels<T>().sdpa_forward(ov, lse_p, qv, kv, vv, cfg);
+  kernels<T>().sdpa_forward(ov, lse_p, p.rows_of(qv, true), p.rows_of(kv, false), p.rows_of(vv, false), p.cfg);
 }
 
 template <typename T>
 void sdpa_backward_t(const py::array& dq, const py::array& dk, const py::array& dv, const py::array& dout,
                      const py::array& out, const py::array& lse, const py::array& q, const py::array& k,
                      const py::array& v, const std::vector<MaskArg>& masks, double scale, int causal,
-                     double dropout_p, uint64_t seed) {
+                     double dropout_p, uint64_t seed, const Variants* var, const py::object& dsinks) {
   const auto qv = view4<T, const T>(q, "query", false), kv = view4<T, const T>(k, "key", false);
   const auto vv = view4<T, const T>(v, "value", false);
-  std::vector<std::vector<int64_t>> offsets;
-  const auto cfg = make_config<T>(q, k, v.shape(3), masks, scale, causal, dropout_p, seed, offsets);
-  expect_shape(v, "value", {cfg.N, cfg.Hk, cfg.S, cfg.Dv});
-  expect_shape(out, "out", {cfg.N, cfg.Hq, cfg.L, cfg.Dv});
-  expect_shape(dout, "grad_output", {cfg.N, cfg.Hq, cfg.L, cfg.Dv});
-  expect_shape(lse, "logsumexp", {cfg.N, cfg.Hq, cfg.L});
-  expect_shape(dq, "grad_query", {cfg.N, cfg.Hq, cfg.L, cfg.D});
-  expect_shape(dk, "grad_key", {cfg.N, cfg.Hk, cfg.S, cfg.D});
-  expect_shape(dv, "grad_value", {cfg.N, cfg.Hk, cfg.S, cfg.Dv});
+  const Problem<T> p(q, k, v.shape(3), masks, scale, causal, dropout_p, seed, var);
+  const int64_t N = q.shape(0), Hq = q.shape(1), L = q.shape(2), D = q.shape(3), Dv = v.shape(3);
+  const int64_t Hk = k.shape(1), S = k.shape(2);
+  expect_shape(v, "value", {N, Hk, S, Dv});
+  expect_shape(out, "out", {N, Hq, L, Dv});
+  expect_shape(dout, "grad_output", {N, Hq, L, Dv});
+  expect_shape(lse, "logsumexp", {N, Hq, L});
+  expect_shape(dq, "grad_query", {N, Hq, L, D});
+  expect_shape(dk, "grad_key", {N, Hk, S, D});
+  expect_shape(dv, "grad_value", {N, Hk, S, Dv});
   const auto ov = view4<T, const T>(out, "out", false), dov = view4<T, const T>(dout, "grad_output", false);
   const T* lse_p = contiguous_ptr<T>(lse, "logsumexp", false);
   const auto dqv = view4<T, T>(dq, "grad_query", true), dkv = view4<T, T>(dk, "grad_key", true);
   const auto dvv = view4<T, T>(dv, "grad_value", true);
+  T* dsinks_p = nullptr;
+  if (const auto a = optional_array(dsinks, "grad_sinks")) {
+    expect_shape(*a, "grad_sinks", {Hq});
+    dsinks_p = contiguous_ptr<T>(*a, "grad_sinks", true);
+  }
   py::gil_scoped_release release;
-  kernels<T>().sdpa_backward(dqv, dkv, dvv, dov, ov, lse_p, qv, kv, vv, cfg);
+  kernels<T>().sdpa_backward(p.rows_of(dqv, true), p.rows_of(dkv, false), p.rows_of(dvv, false), dsinks_p,
+                             p.rows_of(dov, true), p.rows_of(ov, true), lse_p, p.rows_of(qv, true),
+                             p.rows_of(kv, false), p.rows_of(vv, false), p.cfg);
 }
 
 template <typename T>
 void sdpa_weights_t(const py::array& weights, const py::array& lse, const py::array& q, const py::array& k,
                     const std::vector<MaskArg>& masks, double scale, int causal, double dropout_p,
-                    uint64_t seed, bool average_heads) {
+                    uint64_t seed, bool average_heads, const Variants* var) {
   const auto qv = view4<T, const T>(q, "query", false), kv = view4<T, const T>(k, "key", false);
-  std::vector<std::vector<int64_t>> offsets;
-  const auto cfg = make_config<T>(q, k, 0, masks, scale, causal, dropout_p, seed, offsets);
+  const Problem<T> p(q, k, 0, masks, scale, causal, dropout_p, seed, var);
+  const auto& cfg = p.cfg;
+  if (cfg.cu_q || cfg.seqlens_k) throw py::value_error("sdpa_weights: not for packed sequences or a KV cache");
   expect_shape(lse, "logsumexp", {cfg.N, cfg.Hq, cfg.L});
   if (average_heads)
     expect_shape(weights, "weights", {cfg.N, cfg.L, cfg.S});
@@ -359,49 +456,79 @@ PYBIND11_MODULE(_core, m) {
       "Set the number of OpenMP threads the kernels use, n in [1, 256].", py::arg("n"));
   m.def("get_num_threads", []() { return thread_count(); }, "The number of OpenMP threads the kernels use.");
 
+  py::class_<Variants>(m, "AttentionVariants",
+                       "Options of the attention variants for sdpa_forward/backward/weights: window_left, "
+                       "window_right (-1 unbounded; keys [i + S - L - left, i + S - L + right]), softcap (0 none), "
+                       "alibi_slopes (1 or N, Hq), sinks (Hq,), cu_seqlens_q and cu_seqlens_k ((N + 1,) int64: "
+                       "packed sequences in the arrays' one batch entry), seqlens_k ((N,) int64: keys per "
+                       "batch entry, a KV cache).")
+      .def(py::init([](int64_t window_left, int64_t window_right, double softcap, py::object alibi_slopes,
+                       py::object sinks, py::object cu_seqlens_q, py::object cu_seqlens_k, py::object seqlens_k) {
+             return Variants{window_left, window_right, softcap, alibi_slopes, sinks, cu_seqlens_q, cu_seqlens_k,
+                             seqlens_k};
+           }),
+           "The options; each argument as the attribute of its name (arrays are checked by the sdpa call).",
+           py::kw_only(), py::arg("window_left") = -1, py::arg("window_right") = -1, py::arg("softcap") = 0.0,
+           py::arg("alibi_slopes") = py::none(), py::arg("sinks") = py::none(), py::arg("cu_seqlens_q") = py::none(),
+           py::arg("cu_seqlens_k") = py::none(), py::arg("seqlens_k") = py::none())
+      .def_readonly("window_left", &Variants::window_left)
+      .def_readonly("window_right", &Variants::window_right)
+      .def_readonly("softcap", &Variants::softcap)
+      .def_readonly("alibi_slopes", &Variants::alibi_slopes)
+      .def_readonly("sinks", &Variants::sinks)
+      .def_readonly("cu_seqlens_q", &Variants::cu_seqlens_q)
+      .def_readonly("cu_seqlens_k", &Variants::cu_seqlens_k)
+      .def_readonly("seqlens_k", &Variants::seqlens_k);
+
   m.def(
       "sdpa_forward",
       [](const py::array& out, const py::array& lse, const py::array& q, const py::array& k, const py::array& v,
-         const std::vector<MaskArg>& masks, double scale, int causal, double dropout_p, uint64_t seed) {
+         const std::vector<MaskArg>& masks, double scale, int causal, double dropout_p, uint64_t seed,
+         const Variants* variants) {
         dispatch(q, "query", [&](auto t) {
-          sdpa_forward_t<typename decltype(t)::type>(out, lse, q, k, v, masks, scale, causal, dropout_p, seed);
+          sdpa_forward_t<typename decltype(t)::type>(out, lse, q, k, v, masks, scale, causal, dropout_p, seed,
+                                                     variants);
         });
       },
       "Attention forward into out (N, Hq, L, Dv) and logsumexp (N, Hq, L), of query (N, Hq, L, D), "
       "key (N, Hk, S, D), value (N, Hk, S, Dv), all float32 or all float64; masks: additive (mask, "
       "batch_offsets (N,) int64, h_stride, l_stride, s_stride), strides in elements; causal: 0 none, "
-      "1 top-left, 2 bottom-right aligned.",
+      "1 top-left, 2 bottom-right aligned; variants: an AttentionVariants or None.",
       py::arg("out"), py::arg("logsumexp"), py::arg("query"), py::arg("key"), py::arg("value"), py::arg("masks"),
-      py::arg("scale"), py::arg("causal"), py::arg("dropout_p"), py::arg("seed"));
+      py::arg("scale"), py::arg("causal"), py::arg("dropout_p"), py::arg("seed"), py::arg("variants") = nullptr);
   m.def(
       "sdpa_backward",
       [](const py::array& dq, const py::array& dk, const py::array& dv, const py::array& dout, const py::array& out,
          const py::array& lse, const py::array& q, const py::array& k, const py::array& v,
-         const std::vector<MaskArg>& masks, double scale, int causal, double dropout_p, uint64_t seed) {
+         const std::vector<MaskArg>& masks, double scale, int causal, double dropout_p, uint64_t seed,
+         const Variants* variants, const py::object& grad_sinks) {
         dispatch(q, "query", [&](auto t) {
           sdpa_backward_t<typename decltype(t)::type>(dq, dk, dv, dout, out, lse, q, k, v, masks, scale, causal,
-                                                      dropout_p, seed);
+                                                      dropout_p, seed, variants, grad_sinks);
         });
       },
       "Attention backward: adds the gradients into grad_query (N, Hq, L, D), grad_key (N, Hk, S, D), grad_value "
-      "(N, Hk, S, Dv), from grad_output and out (N, Hq, L, Dv), logsumexp (N, Hq, L) and sdpa_forward's inputs.",
+      "(N, Hk, S, Dv) and grad_sinks (Hq,) or None, from grad_output and out (N, Hq, L, Dv), logsumexp (N, Hq, L) "
+      "and sdpa_forward's inputs.",
       py::arg("grad_query"), py::arg("grad_key"), py::arg("grad_value"), py::arg("grad_output"), py::arg("out"),
       py::arg("logsumexp"), py::arg("query"), py::arg("key"), py::arg("value"), py::arg("masks"), py::arg("scale"),
-      py::arg("causal"), py::arg("dropout_p"), py::arg("seed"));
+      py::arg("causal"), py::arg("dropout_p"), py::arg("seed"), py::arg("variants") = nullptr,
+      py::arg("grad_sinks") = py::none());
   m.def(
       "sdpa_weights",
       [](const py::array& weights, const py::array& lse, const py::array& q, const py::array& k,
          const std::vector<MaskArg>& masks, double scale, int causal, double dropout_p, uint64_t seed,
-         bool average_heads) {
+         bool average_heads, const Variants* variants) {
         dispatch(q, "query", [&](auto t) {
           sdpa_weights_t<typename decltype(t)::type>(weights, lse, q, k, masks, scale, causal, dropout_p, seed,
-                                                     average_heads);
+                                                     average_heads, variants);
         });
       },
       "The attention weights (after dropout) into weights (N, Hq, L, S), or (N, L, S) averaged over heads, from "
       "sdpa_forward's logsumexp (N, Hq, L), query and key.",
       py::arg("weights"), py::arg("logsumexp"), py::arg("query"), py::arg("key"), py::arg("masks"),
-      py::arg("scale"), py::arg("causal"), py::arg("dropout_p"), py::arg("seed"), py::arg("average_heads") = false);
+      py::arg("scale"), py::arg("causal"), py::arg("dropout_p"), py::arg("seed"), py::arg("average_heads") = false,
+      py::arg("variants") = nullptr);
   m.def(
       "linear_forward",
       [](const py::array& y, const py::array& x, const py::array& w, const py::object& b) {

@@ -7,6 +7,7 @@
 #include <cmath>
 #include <cstdint>
 #include <exception>
+#include <algorithm>
 #include <limits>
 #include <vector>
 
@@ -87,28 +88,72 @@ void parallel_for(int64_t n, int64_t work, F&& body, bool dynamic = false) {
 
 enum class Causal : int { none = 0, top_left = 1, bottom_right = 2 };
 
+// The keys each query row of one sequence sees: query i (of L) sees keys [first_key(i), last_key(i)] (of S), an
+// empty range when last_key(i) < first_key(i). Both ends are non-decreasing in i, so a block of rows sees the
+// keys from its first row's first_key to its last row's last_key, and the blocks outside are skipped. Window and
+// ALiBi positions are aligned bottom-right (query i sits at key position i + S - L, FlashAttention's convention);
+// the causal mask has its own alignment.
+struct Visible {
+  int64_t L = 0, S = 0;        // this sequence's query and key counts
+  int64_t q0 = 0, k0 = 0;      // its first query and key rows in the arrays (packed sequences; else 0)
+  bool causal = false;
+  int64_t causal_off = 0;      // causal: query i sees keys up to i + causal_off
+  int64_t left = -1, right = -1;  // window: keys [i + diag - left, i + diag + right], -1 unbounded
+
+  int64_t diag() const { return S - L; }  // key position of query 0 (bottom-right)
+  int64_t first_key(int64_t i) const { return left < 0 ? 0 : std::max<int64_t>(0, i + diag() - left); }
+  int64_t last_key(int64_t i) const {
+    int64_t last = S - 1;
+    if (causal) last = std::min(last, i + causal_off);
+    if (right >= 0) last = std::min(last, i + diag() + right);
+    return last;
+  }
+  // The first query row whose last_key reaches key j, and the last one whose first_key does not pass it.
+  int64_t first_query(int64_t j) const {
+    int64_t first = 0;
+    if (causal) first = std::max(first, j - causal_off);
+    if (right >= 0) first = std::max(first, j - diag() - right);
+    return first;
+  }
+  int64_t last_query(int64_t j) const { return left < 0 ? L - 1 : std::min(L - 1, j - diag() + left); }
+};
+
 // Everything that defines one attention problem besides its buffers.
 template <typename T>
 struct AttnConfig {
-  int64_t N = 0, Hq = 0, Hk = 0, L = 0, S = 0, D = 0, Dv = 0;
+  int64_t N = 0, Hq = 0, Hk = 0, L = 0, S = 0, D = 0, Dv = 0;  // L, S: the longest sequences when they vary
   T scale = 1;
   Causal causal = Causal::none;
   double dropout_p = 0.0;
   uint64_t seed = 0;
   std::vector<MaskView<T>> masks;  // summed into the scores
+  int64_t window_left = -1, window_right = -1;  // sliding window (FlashAttention's window_size), -1 unbounded
+  T softcap = 0;                   // > 0: scores become softcap * tanh(scores / softcap) (Gemma 2), before masks
+  const T* alibi = nullptr;        // ALiBi slopes: score -= alibi[n * alibi_n + h] * |i + S - L - j|
+  int64_t alibi_n = 0;
+  const T* sinks = nullptr;        // (Hq) a logit per head in every softmax's denominator, with no value
+  // Sequences of their own lengths (else L queries and S keys each):
+  const int64_t* cu_q = nullptr;   // (N + 1) packed queries: sequence n's are rows [cu_q[n], cu_q[n + 1]) of the
+  const int64_t* cu_k = nullptr;   // (N + 1) arrays' one batch entry (batch stride 0); same for keys and values
+  const int64_t* seqlens_k = nullptr;  // (N) keys of sequence n, from row 0 (a KV cache)
 
-  int64_t group() const { return Hq / Hk; }  // query heads per key/value head (GQA)
+  int64_t group() const { return Hk ? Hq / Hk : 0; }  // query heads per key/value head (GQA)
   int64_t work() const { return N * Hq * L * S * (D + Dv); }  // multiply-adds of a forward without masking
-  // Under the causal mask query row i sees the keys up to i + causal_offset().
-  int64_t causal_offset() const { return causal == Causal::bottom_right ? S - L : 0; }
-  // Last key a query row may see under the causal mask (inclusive); S - 1 when not causal.
-  int64_t last_key(int64_t i) const {
-    return causal == Causal::none ? S - 1 : std::min<int64_t>(S - 1, i + causal_offset());
+  Visible seq(int64_t n) const {
+    Visible v;
+    v.q0 = cu_q ? cu_q[n] : 0, v.L = cu_q ? cu_q[n + 1] - cu_q[n] : L;
+    v.k0 = cu_k ? cu_k[n] : 0, v.S = cu_k ? cu_k[n + 1] - cu_k[n] : seqlens_k ? seqlens_k[n] : S;
+    v.causal = causal != Causal::none;
+    v.causal_off = causal == Causal::bottom_right ? v.S - v.L : 0;
+    v.left = window_left, v.right = window_right;
+    return v;
   }
-  // First query row that may see key j under the causal mask; 0 when not causal.
-  int64_t first_query(int64_t j) const {
-    return causal == Causal::none ? 0 : std::max<int64_t>(0, j - causal_offset());
+  // Index of (n, h, i) in the logsumexp: (N, Hq, L), or (Hq, total queries) for packed sequences.
+  int64_t lse_index(int64_t n, int64_t h, int64_t i) const {
+    return cu_q ? h * cu_q[N] + cu_q[n] + i : (n * Hq + h) * L + i;
   }
+  int64_t lse_size() const { return cu_q ? Hq * cu_q[N] : N * Hq * L; }
+  bool has_bias() const { return !masks.empty() || alibi || softcap > 0; }
 };
 
 // Counter-based dropout: the decision for element `index` of the (N, H, L, S) weights depends only on

@@ -217,10 +217,11 @@ def _check_class(name):
 
 
 def test_parser_reads_defaults_and_kinds():
-    """The signature parser itself, on the one function of the core with a default."""
+    """The signature parser itself, on a function of the core with defaults."""
     sig, ret = runtime_signature("sdpa_weights", _core.sdpa_weights)
     assert ret == "None"
-    assert list(sig.parameters)[-1] == "average_heads" and sig.parameters["average_heads"].default is False
+    assert list(sig.parameters)[-2:] == ["average_heads", "variants"]
+    assert sig.parameters["average_heads"].default is False and sig.parameters["variants"].default is None
     assert all(p.kind is P.POSITIONAL_OR_KEYWORD for p in sig.parameters.values())
     assert split_top("a: tuple[int, str] = (1, ','), b: int") == ["a: tuple[int, str] = (1, ',')", " b: int"]
 

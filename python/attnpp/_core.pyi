@@ -28,6 +28,34 @@ def set_num_threads(n: int) -> None:
 def get_num_threads() -> int:
     """The number of OpenMP threads the kernels use."""
 
+class AttentionVariants:
+    """Options of the attention variants for sdpa_forward/backward/weights: window_left, window_right (-1 unbounded;
+    keys [i + S - L - left, i + S - L + right]), softcap (0 none), alibi_slopes (1 or N, Hq), sinks (Hq,),
+    cu_seqlens_q and cu_seqlens_k ((N + 1,) int64: packed sequences in the arrays' one batch entry), seqlens_k
+    ((N,) int64: keys per batch entry, a KV cache)."""
+
+    def __init__(
+        self,
+        *,
+        window_left: int = -1,
+        window_right: int = -1,
+        softcap: float = 0.0,
+        alibi_slopes: Optional[_FloatArray] = None,
+        sinks: Optional[_FloatArray] = None,
+        cu_seqlens_q: Optional[_IndexArray] = None,
+        cu_seqlens_k: Optional[_IndexArray] = None,
+        seqlens_k: Optional[_IndexArray] = None,
+    ) -> None:
+        """The options; each argument as the attribute of its name (arrays are checked by the sdpa call)."""
+    window_left: int
+    window_right: int
+    softcap: float
+    alibi_slopes: Optional[_FloatArray]
+    sinks: Optional[_FloatArray]
+    cu_seqlens_q: Optional[_IndexArray]
+    cu_seqlens_k: Optional[_IndexArray]
+    seqlens_k: Optional[_IndexArray]
+
 def sdpa_forward(
     out: _FloatArray,
     logsumexp: _FloatArray,
@@ -39,6 +67,7 @@ def sdpa_forward(
     causal: int,
     dropout_p: float,
     seed: int,
+    variants: Optional[AttentionVariants] = None,
 ) -> None:
     """Attention forward into out (N, Hq, L, Dv) and logsumexp (N, Hq, L), of query (N, Hq, L, D), key (N, Hk, S, D),
     value (N, Hk, S, Dv); causal: 0 none, 1 top-left, 2 bottom-right aligned."""
@@ -58,9 +87,11 @@ def sdpa_backward(
     causal: int,
     dropout_p: float,
     seed: int,
+    variants: Optional[AttentionVariants] = None,
+    grad_sinks: Optional[_FloatArray] = None,
 ) -> None:
-    """Attention backward: adds into grad_query (N, Hq, L, D), grad_key (N, Hk, S, D), grad_value (N, Hk, S, Dv),
-    from grad_output and out (N, Hq, L, Dv), logsumexp (N, Hq, L) and sdpa_forward's inputs."""
+    """Attention backward: adds into grad_query (N, Hq, L, D), grad_key (N, Hk, S, D), grad_value (N, Hk, S, Dv)
+    and grad_sinks (Hq,) or None, from grad_output and out (N, Hq, L, Dv), logsumexp (N, Hq, L) and sdpa_forward's inputs."""
 
 def sdpa_weights(
     weights: _FloatArray,
@@ -73,6 +104,7 @@ def sdpa_weights(
     dropout_p: float,
     seed: int,
     average_heads: bool = False,
+    variants: Optional[AttentionVariants] = None,
 ) -> None:
     """The attention weights (after dropout) into weights (N, Hq, L, S), or (N, L, S) averaged over heads."""
 

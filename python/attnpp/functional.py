@@ -19,6 +19,9 @@ __all__ = [
     "scaled_dot_product_attention_forward", "AttentionForward",
     "scaled_dot_product_attention_backward",
     "scaled_dot_product_attention_weights",
+    "scaled_dot_product_attention_varlen", "scaled_dot_product_attention_varlen_forward",
+    "scaled_dot_product_attention_varlen_backward", "scaled_dot_product_attention_with_kvcache",
+    "get_alibi_slopes",
     "dropout_mask",
     "linear",
     "linear_backward",
@@ -132,6 +135,70 @@ def check_bool(value, name):
     return bool(value)
 
 
+def check_window(window):
+    """``window`` as (left, right) ints >= -1 (-1: unbounded on that side), or None; else TypeError/ValueError."""
+    if window is None:
+        return None
+    if not isinstance(window, (tuple, list)) or len(window) != 2:
+        raise TypeError(f"window: expected (left, right), two ints (-1 for unbounded), got {window!r}")
+    return tuple(check_int(w, f"window[{i}]", minimum=-1) for i, w in enumerate(window))
+
+
+def check_softcap(softcap):
+    """``softcap`` as a float > 0 (finite), or None (0 and None: no cap); else TypeError/ValueError."""
+    if softcap is None:
+        return None
+    if not isinstance(softcap, numbers.Real) or isinstance(softcap, bool):
+        raise TypeError(f"softcap: expected a float or None, got {type(softcap).__name__}")
+    if not (softcap >= 0 and math.isfinite(softcap)):
+        raise ValueError(f"softcap must be a finite number >= 0 (0 or None: no cap), got {softcap!r}")
+    return float(softcap) or None
+
+
+def check_alibi_slopes(slopes, batch, Hq, dtype):
+    """ALiBi slopes broadcast to (B..., Hq), as the core's (N or 1, Hq) array of ``dtype``."""
+    slopes = as_ndarray(slopes, "alibi_slopes")
+    if slopes.dtype.kind != "f":
+        raise TypeError(f"alibi_slopes: expected a float array, got dtype {slopes.dtype}")
+    full = tuple(batch) + (Hq,)
+    if slopes.ndim == 0 or slopes.shape[-1] != Hq or np.broadcast_shapes(slopes.shape, full) != full:
+        raise ValueError(f"alibi_slopes: expected shape (Hq,) = ({Hq},) or (B..., Hq) = {full}, got {slopes.shape}")
+    if slopes.ndim == 1:
+        return np.ascontiguousarray(slopes, dtype=dtype).reshape(1, Hq)
+    return np.ascontiguousarray(np.broadcast_to(slopes, full), dtype=dtype).reshape(-1, Hq)
+
+
+def check_sinks(sinks, Hq, dtype):
+    """The sinks as a (Hq,) array of ``dtype``, else TypeError/ValueError."""
+    sinks = check_array(sinks, "sinks", ndim=1, dtype=dtype)
+    if sinks.shape != (Hq,):
+        raise ValueError(f"sinks: expected shape (Hq,) = ({Hq},), got {sinks.shape}")
+    return np.ascontiguousarray(sinks)
+
+
+def get_alibi_slopes(num_heads, dtype=np.float32):
+    """The standard ALiBi slopes for ``num_heads`` heads (Press et al., "Train Short, Test Long: Attention with
+    Linear Biases Enables Input Length Extrapolation", 2022): the geometric sequence 2^(-8/n), 2^(-16/n), ... for
+    a power of two n; otherwise those of the power of two m below n, then every other slope of 2m, as the
+    paper's code (and BLOOM) does.
+
+    Returns:
+        ndarray (num_heads,) of ``dtype``, to pass as ``alibi_slopes``.
+
+    Raises:
+        TypeError: num_heads not an int. ValueError: num_heads < 1.
+    """
+    n = check_int(num_heads, "num_heads", minimum=1)
+
+    def power_of_two(m):
+        start = 2.0 ** (-8.0 / m)
+        return [start ** (i + 1) for i in range(m)]
+
+    m = 2 ** int(math.floor(math.log2(n)))
+    slopes = power_of_two(m) + power_of_two(2 * m)[0::2][: n - m]
+    return np.array(slopes, dtype=dtype)
+
+
 def additive_mask(mask, dtype, name, true_means_masked):
     """A boolean or float mask as a float mask to add to the scores (0 or -inf for booleans)."""
     mask = as_ndarray(mask, name)
@@ -173,11 +240,29 @@ def _broadcast_shape(name, *shapes):
     return tuple(out)
 
 
+def variants(window, alibi_slopes, softcap, sinks, batch, Hq, dtype, **sequences):
+    """The core's AttentionVariants for these options (None when there are none), and the sinks array (or None).
+    ``sequences``: cu_seqlens_q and cu_seqlens_k, or seqlens_k, already checked."""
+    window, softcap = check_window(window), check_softcap(softcap)
+    options = {}
+    if window is not None:
+        options["window_left"], options["window_right"] = window
+    if softcap is not None:
+        options["softcap"] = softcap
+    if alibi_slopes is not None:
+        options["alibi_slopes"] = check_alibi_slopes(alibi_slopes, batch, Hq, dtype)
+    if sinks is not None:
+        sinks = options["sinks"] = check_sinks(sinks, Hq, dtype)
+    options.update(sequences)
+    return (_core.AttentionVariants(**options) if options else None), sinks
+
+
 class _Problem:
     """A validated attention call: the inputs seen as (N, H, rows, cols) plus everything the core needs."""
 
     def __init__(self, query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, seed,
-                 causal_alignment, need_seed=False, has_value=True):
+                 causal_alignment, need_seed=False, has_value=True, window=None, alibi_slopes=None, softcap=None,
+                 sinks=None):
         query = check_array(query, "query", min_ndim=2)
         dtype = query.dtype
         key = check_array(key, "key", min_ndim=2, dtype=dtype)
@@ -247,6 +332,7 @@ class _Problem:
                 raise ValueError(f"attn_mask: shape {attn_mask.shape} does not broadcast to (B..., Hq, L, S) = "
                                  f"{full_shape}") from None
             self.masks.append(mask_arg(m, full_shape))
+        self.variants, self.sinks = variants(window, alibi_slopes, softcap, sinks, batch, Hq, dtype)
 
     def _as4(self, x, H, rows, cols, repeat=1):
         """``x`` as (N, H, rows, cols), a view where possible; its heads repeated ``repeat`` times (GQA)."""
@@ -299,13 +385,30 @@ _ARGS_DOC = """
         causal_alignment (str): ``"top_left"`` (PyTorch's ``is_causal``: query i sees keys j <= i) or
             ``"bottom_right"`` (query i sees keys j <= i + S - L, like ``causal_lower_right``). Default:
             ``"top_left"``.
+        window (tuple of 2 ints, optional): sliding-window (local) attention, FlashAttention's ``window_size``
+            (Beltagy et al., "Longformer", 2020; Mistral 7B): ``(left, right)``, query i sees keys j with
+            i + S - L - left <= j <= i + S - L + right (positions aligned bottom-right, as FlashAttention); -1
+            leaves a side unbounded. Combines with ``is_causal`` (a causal window of w: ``is_causal=True,
+            window=(w, 0)``) and the masks. The key blocks outside every row's window are skipped: the work
+            follows the visible area. Default: None.
+        alibi_slopes (ndarray, optional): ALiBi (Press et al., "Train Short, Test Long", 2022), one slope per
+            query head, (Hq,) or (B..., Hq), any float dtype (used in the query's): adds
+            -slope * |i + S - L - j| to the scores (FlashAttention's convention). ``get_alibi_slopes(Hq)`` gives
+            the paper's slopes. Default: None.
+        softcap (float, optional): logit soft-capping (Gemma 2, Team Gemma 2024): the scores become
+            ``softcap * tanh(scores / softcap)`` before the masks and ALiBi are added. Default: None (no cap).
+        sinks (ndarray, optional): attention sinks (gpt-oss, OpenAI 2025; Xiao et al., "Efficient Streaming
+            Language Models with Attention Sinks", 2023): (Hq,), the query's dtype, a learned logit per head that
+            joins every softmax's denominator and takes no value: the weights of a row sum to
+            1 - exp(sink - logsumexp). The backward returns its gradient. Default: None.
 """
 _ERRORS_DOC = """
     Raises:
         TypeError: an input that is not a float32/float64 ndarray (value is required but by the weights), mixed
             dtypes, a mask of another dtype, is_causal or enable_gqa not a bool.
         ValueError: shapes that do not agree or broadcast (named with their shapes), a mask that does not
-            broadcast to (B..., Hq, L, S), dropout_p outside [0, 1), attn_mask given with is_causal=True.
+            broadcast to (B..., Hq, L, S), dropout_p outside [0, 1), attn_mask given with is_causal=True, a window
+            side below -1, a negative or infinite softcap, alibi_slopes or sinks of another shape than (Hq,).
         MemoryError: a problem too large to allocate.
 
     A query row whose keys are all masked gives output 0 and gradient 0, never NaN (as PyTorch >= 2.5).
@@ -324,11 +427,12 @@ _ERRORS_DOC = """
 
 def scaled_dot_product_attention_forward(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
                                          scale=None, enable_gqa=False, *, seed=None,
-                                         causal_alignment="top_left"):
-    p = _Problem(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, seed, causal_alignment)
+                                         causal_alignment="top_left", window=None, alibi_slopes=None, softcap=None, sinks=None):
+    p = _Problem(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, seed, causal_alignment,
+                 window=window, alibi_slopes=alibi_slopes, softcap=softcap, sinks=sinks)
     out = _empty((p.N, p.Hq, p.L, p.Dv), p.dtype)
     lse = np.empty((p.N, p.Hq, p.L), p.dtype)
-    _core.sdpa_forward(out, lse, p.q4, p.k4, p.v4, *p.core_args())
+    _core.sdpa_forward(out, lse, p.q4, p.k4, p.v4, *p.core_args(), variants=p.variants)
     return AttentionForward(out.reshape(p.out_shape(p.L, p.Dv)), lse.reshape(p.out_shape(p.L)),
                             p.seed if p.dropout_p > 0 else None)
 
@@ -357,9 +461,10 @@ scaled_dot_product_attention_forward.__doc__ = """Attention forward that also re
 
 
 def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
-                                 enable_gqa=False, *, seed=None, causal_alignment="top_left"):
+                                 enable_gqa=False, *, seed=None, causal_alignment="top_left", window=None, alibi_slopes=None, softcap=None, sinks=None):
     return scaled_dot_product_attention_forward(query, key, value, attn_mask, dropout_p, is_causal, scale,
-                                                enable_gqa, seed=seed, causal_alignment=causal_alignment)[0]
+                                                enable_gqa, seed=seed, causal_alignment=causal_alignment,
+                                                window=window, alibi_slopes=alibi_slopes, softcap=softcap, sinks=sinks)[0]
 
 
 scaled_dot_product_attention.__doc__ = """Scaled dot-product attention, as ``torch.nn.functional.scaled_dot_product_attention``.
@@ -373,9 +478,9 @@ scaled_dot_product_attention.__doc__ = """Scaled dot-product attention, as ``tor
 
 def scaled_dot_product_attention_backward(grad_output, query, key, value, output, logsumexp, attn_mask=None,
                                           dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False, *,
-                                          seed=None, causal_alignment="top_left"):
+                                          seed=None, causal_alignment="top_left", window=None, alibi_slopes=None, softcap=None, sinks=None):
     p = _Problem(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, seed, causal_alignment,
-                 need_seed=True)
+                 need_seed=True, window=window, alibi_slopes=alibi_slopes, softcap=softcap, sinks=sinks)
     arrays = []
     for name, arr, shape in (("grad_output", grad_output, p.out_shape(p.L, p.Dv)),
                              ("output", output, p.out_shape(p.L, p.Dv)),
@@ -388,9 +493,12 @@ def scaled_dot_product_attention_backward(grad_output, query, key, value, output
     dq = _zeros((p.N, p.Hq, p.L, p.D), p.dtype)
     dk = _zeros((p.N, p.Hk, p.S, p.D), p.dtype)
     dv = _zeros((p.N, p.Hk, p.S, p.Dv), p.dtype)
+    dsinks = None if p.sinks is None else np.zeros(p.Hq, p.dtype)
     _core.sdpa_backward(dq, dk, dv, four(grad_output, (p.L, p.Dv)), four(output, (p.L, p.Dv)),
-                        four(logsumexp, (p.L,)), p.q4, p.k4, p.v4, *p.core_args())
-    return p.reduce_to(dq, query), p.reduce_to(dk, key, p.k_repeat), p.reduce_to(dv, value, p.v_repeat)
+                        four(logsumexp, (p.L,)), p.q4, p.k4, p.v4, *p.core_args(), variants=p.variants,
+                        grad_sinks=dsinks)
+    grads = p.reduce_to(dq, query), p.reduce_to(dk, key, p.k_repeat), p.reduce_to(dv, value, p.v_repeat)
+    return grads if dsinks is None else grads + (dsinks,)
 
 
 scaled_dot_product_attention_backward.__doc__ = """Gradients of ``scaled_dot_product_attention_forward``.
@@ -407,26 +515,30 @@ scaled_dot_product_attention_backward.__doc__ = """Gradients of ``scaled_dot_pro
         attn_mask, dropout_p, is_causal, scale, enable_gqa, causal_alignment: exactly as given to the forward.
         seed (int): the forward's dropout seed; required when dropout_p > 0 (ValueError otherwise).
 
+        window, alibi_slopes, softcap, sinks: as given to the forward.
+
     Returns:
-        (grad_query, grad_key, grad_value), each of its input's shape (summed over broadcast dimensions).
+        (grad_query, grad_key, grad_value), each of its input's shape (summed over broadcast dimensions); with
+        ``sinks``, (grad_query, grad_key, grad_value, grad_sinks), grad_sinks (Hq,).
 """ + _ERRORS_DOC
 
 
 def scaled_dot_product_attention_weights(query, key, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
                                          enable_gqa=False, *, seed=None, causal_alignment="top_left",
-                                         logsumexp=None):
+                                         logsumexp=None, window=None, alibi_slopes=None, softcap=None, sinks=None):
     p = _Problem(query, key, None, attn_mask, dropout_p, is_causal, scale, enable_gqa, seed, causal_alignment,
-                 has_value=False)
+                 has_value=False, window=window, alibi_slopes=alibi_slopes, softcap=softcap, sinks=sinks)
     weights = _empty((p.N, p.Hq, p.L, p.S), p.dtype)  # first: a MemoryError before any work
     if logsumexp is None:  # a forward with Dv = 0 computes the log-sum-exp alone
         lse = np.empty((p.N, p.Hq, p.L), p.dtype)
-        _core.sdpa_forward(np.empty((p.N, p.Hq, p.L, 0), p.dtype), lse, p.q4, p.k4, p.v4, *p.core_args())
+        _core.sdpa_forward(np.empty((p.N, p.Hq, p.L, 0), p.dtype), lse, p.q4, p.k4, p.v4, *p.core_args(),
+                           variants=p.variants)
     else:
         logsumexp = check_array(logsumexp, "logsumexp", dtype=p.dtype)
         if logsumexp.shape != p.out_shape(p.L):
             raise ValueError(f"logsumexp: expected shape {p.out_shape(p.L)}, got {logsumexp.shape}")
         lse = np.ascontiguousarray(logsumexp).reshape(p.N, p.Hq, p.L)
-    _core.sdpa_weights(weights, lse, p.q4, p.k4, *p.core_args())
+    _core.sdpa_weights(weights, lse, p.q4, p.k4, *p.core_args(), variants=p.variants)
     return weights.reshape(p.out_shape(p.L, p.S))
 
 
@@ -441,6 +553,228 @@ scaled_dot_product_attention_weights.__doc__ = """The attention weights ``softma
     Returns:
         weights (ndarray): (B..., Hq, L, S), or (L, S) unbatched; fully masked rows are 0.
 """ + _ERRORS_DOC
+
+
+# ------------------------------------------------------------------------------ packed sequences, KV cache
+def _cumulative(cu, name, total):
+    """Cumulative sequence lengths (B + 1,) of ints from 0 to ``total``, non-decreasing, as int64."""
+    cu = as_ndarray(cu, name)
+    if cu.dtype.kind not in "iu":
+        raise TypeError(f"{name}: expected an integer array, got dtype {cu.dtype}")
+    if cu.ndim != 1 or cu.shape[0] < 1:
+        raise ValueError(f"{name}: expected shape (B + 1,), got {cu.shape}")
+    if cu[0] != 0 or cu[-1] != total or (np.diff(cu.astype(np.int64)) < 0).any():
+        raise ValueError(f"{name}: expected non-decreasing offsets from 0 to {total} (the packed length), got "
+                         f"{cu.tolist() if cu.size <= 10 else cu}")
+    return np.ascontiguousarray(cu, dtype=np.int64)
+
+
+class _Varlen:
+    """A validated call on packed sequences: query (Tq, Hq, D), key (Tk, Hk, D), value (Tk, Hk, Dv), as the
+    core's (1, H, T, width) views, and its options."""
+
+    def __init__(self, query, key, value, cu_seqlens_q, cu_seqlens_k, dropout_p, is_causal, scale, seed,
+                 causal_alignment, window, alibi_slopes, softcap, sinks, need_seed=False):
+        query = check_array(query, "query", ndim=3)
+        self.dtype = dt = query.dtype
+        key = check_array(key, "key", ndim=3, dtype=dt)
+        value = check_array(value, "value", ndim=3, dtype=dt)
+        (self.Tq, self.Hq, self.D), (self.Tk, self.Hk, _), self.Dv = query.shape, key.shape, value.shape[2]
+        if key.shape[2] != self.D or value.shape[:2] != key.shape[:2]:
+            raise ValueError(f"query (Tq, Hq, D), key (Tk, Hk, D) and value (Tk, Hk, Dv) do not agree: query "
+                             f"{query.shape}, key {key.shape}, value {value.shape}")
+        if self.Hk == 0 or self.Hq % self.Hk:
+            raise ValueError(f"query heads must be a multiple of key heads (GQA), got query {query.shape} and key "
+                             f"{key.shape}")
+        cu_q = _cumulative(cu_seqlens_q, "cu_seqlens_q", self.Tq)
+        cu_k = _cumulative(cu_seqlens_k, "cu_seqlens_k", self.Tk)
+        if cu_q.shape != cu_k.shape:
+            raise ValueError(f"cu_seqlens_q and cu_seqlens_k: expected the same number of sequences, got "
+                             f"{cu_q.shape} and {cu_k.shape}")
+        self.B = cu_q.shape[0] - 1
+        check_probability(dropout_p, "dropout_p")
+        self.causal = causal_code(check_bool(is_causal, "is_causal"), causal_alignment)
+        self.scale = 1.0 if self.D == 0 else float(1.0 / math.sqrt(self.D) if check_scale(scale) is None else scale)
+        self.dropout_p = float(dropout_p)
+        if need_seed and dropout_p > 0 and seed is None:
+            raise ValueError("seed: the backward with dropout_p > 0 needs the seed given to the forward")
+        self.seed = check_seed(seed) if dropout_p > 0 else 0
+        self.variants, self.sinks = variants(window, alibi_slopes, softcap, sinks, (self.B,), self.Hq, dt,
+                                             cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
+        self.q4, self.k4, self.v4 = (self.heads(x) for x in (query, key, value))
+
+    @staticmethod
+    def heads(x):
+        """(T, H, width) as the core's (1, H, T, width) view, the last dimension contiguous."""
+        x = x if x.shape[-1] <= 1 or x.strides[-1] == x.itemsize else np.ascontiguousarray(x)
+        return x.transpose(1, 0, 2)[None]
+
+    def core_args(self):
+        return [], self.scale, self.causal, self.dropout_p, self.seed
+
+
+def scaled_dot_product_attention_varlen_forward(query, key, value, cu_seqlens_q, cu_seqlens_k, dropout_p=0.0,
+                                                is_causal=False, scale=None, *, seed=None,
+                                                causal_alignment="top_left", window=None, alibi_slopes=None,
+                                                softcap=None, sinks=None):
+    """Attention over a batch of sequences of different lengths packed end to end, without padding
+    (FlashAttention's ``flash_attn_varlen_func``): sequence b's queries are rows ``cu_seqlens_q[b]`` to
+    ``cu_seqlens_q[b + 1]`` of ``query`` and attend only to its keys, rows ``cu_seqlens_k[b]`` to
+    ``cu_seqlens_k[b + 1]`` of ``key`` and ``value``. Each sequence is computed as
+    ``scaled_dot_product_attention`` computes one batch entry, with its own L and S (causal alignment, window and
+    ALiBi positions included); nothing is computed for padding, and memory grows with the tokens, not L * S.
+
+    Args:
+        query (ndarray): (Tq, Hq, D), the sequences' queries packed, float32 or float64.
+        key (ndarray): (Tk, Hk, D), same dtype; Hq a multiple of Hk (grouped-query attention).
+        value (ndarray): (Tk, Hk, Dv), same dtype.
+        cu_seqlens_q, cu_seqlens_k (ndarray): (B + 1,) integers, the cumulative lengths: 0, L_0, L_0 + L_1, ...,
+            Tq (resp. Tk).
+        dropout_p, is_causal, scale, seed, causal_alignment, window, alibi_slopes, softcap, sinks: as in
+            ``scaled_dot_product_attention``, per sequence; alibi_slopes (Hq,) or (B, Hq). With dropout, the
+            weight (b, h, i, j) of sequence b is kept where ``dropout_mask((B, Hq, Lmax, Smax), p, seed)[b, h, i,
+            j]`` is (Lmax, Smax: the longest lengths).
+
+    Returns:
+        ``AttentionForward(output, logsumexp, seed)``: output (Tq, Hq, Dv); logsumexp (Hq, Tq) (FlashAttention's
+        layout); seed as in ``scaled_dot_product_attention_forward``.
+
+    Raises:
+        TypeError: arrays that are not float32/float64 ndarrays of one dtype, integer offsets of another type.
+        ValueError: shapes that do not agree, offsets that do not run from 0 to Tq (Tk) without decreasing, or
+        other numbers of sequences; the option errors of ``scaled_dot_product_attention``.
+    """
+    p = _Varlen(query, key, value, cu_seqlens_q, cu_seqlens_k, dropout_p, is_causal, scale, seed, causal_alignment,
+                window, alibi_slopes, softcap, sinks)
+    out = _empty((p.Tq, p.Hq, p.Dv), p.dtype)
+    lse = np.empty((p.Hq, p.Tq), p.dtype)
+    _core.sdpa_forward(p.heads(out), lse[None], p.q4, p.k4, p.v4, *p.core_args(), variants=p.variants)
+    return AttentionForward(out, lse, p.seed if p.dropout_p > 0 else None)
+
+
+def scaled_dot_product_attention_varlen(query, key, value, cu_seqlens_q, cu_seqlens_k, dropout_p=0.0,
+                                        is_causal=False, scale=None, *, seed=None, causal_alignment="top_left",
+                                        window=None, alibi_slopes=None, softcap=None, sinks=None):
+    """``scaled_dot_product_attention_varlen_forward``'s output alone: (Tq, Hq, Dv)."""
+    return scaled_dot_product_attention_varlen_forward(
+        query, key, value, cu_seqlens_q, cu_seqlens_k, dropout_p, is_causal, scale, seed=seed,
+        causal_alignment=causal_alignment, window=window, alibi_slopes=alibi_slopes, softcap=softcap,
+        sinks=sinks)[0]
+
+
+def scaled_dot_product_attention_varlen_backward(grad_output, query, key, value, output, logsumexp, cu_seqlens_q,
+                                                 cu_seqlens_k, dropout_p=0.0, is_causal=False, scale=None, *,
+                                                 seed=None, causal_alignment="top_left", window=None,
+                                                 alibi_slopes=None, softcap=None, sinks=None):
+    """Gradients of ``scaled_dot_product_attention_varlen_forward``.
+
+    Args:
+        grad_output (ndarray): (Tq, Hq, Dv), the gradient of the loss with respect to ``output``.
+        output (ndarray): (Tq, Hq, Dv), logsumexp (Hq, Tq): what the forward returned.
+        the others: exactly as given to the forward (seed: the forward's, required when dropout_p > 0).
+
+    Returns:
+        (grad_query (Tq, Hq, D), grad_key (Tk, Hk, D), grad_value (Tk, Hk, Dv)), and grad_sinks (Hq,) with sinks.
+
+    Raises:
+        as the forward; and TypeError/ValueError: a grad_output, output or logsumexp of another dtype or shape.
+    """
+    p = _Varlen(query, key, value, cu_seqlens_q, cu_seqlens_k, dropout_p, is_causal, scale, seed, causal_alignment,
+                window, alibi_slopes, softcap, sinks, need_seed=True)
+    arrays = []
+    for name, arr, shape in (("grad_output", grad_output, (p.Tq, p.Hq, p.Dv)), ("output", output, (p.Tq, p.Hq, p.Dv)),
+                             ("logsumexp", logsumexp, (p.Hq, p.Tq))):
+        arrays.append(check_array(arr, name, dtype=p.dtype))
+        if arrays[-1].shape != shape:
+            raise ValueError(f"{name}: expected shape {shape}, got {arrays[-1].shape}")
+    grad_output, output, logsumexp = arrays
+    dq, dk, dv = (_zeros(shape, p.dtype) for shape in ((p.Tq, p.Hq, p.D), (p.Tk, p.Hk, p.D), (p.Tk, p.Hk, p.Dv)))
+    dsinks = None if p.sinks is None else np.zeros(p.Hq, p.dtype)
+    _core.sdpa_backward(p.heads(dq), p.heads(dk), p.heads(dv), p.heads(grad_output), p.heads(output),
+                        np.ascontiguousarray(logsumexp)[None], p.q4, p.k4, p.v4, *p.core_args(), variants=p.variants,
+                        grad_sinks=dsinks)
+    return (dq, dk, dv) if dsinks is None else (dq, dk, dv, dsinks)
+
+
+def scaled_dot_product_attention_with_kvcache(query, key_cache, value_cache, cache_seqlens, key=None, value=None,
+                                              *, is_causal=True, scale=None, window=None, alibi_slopes=None,
+                                              softcap=None, sinks=None):
+    """One decoding step with a KV cache, as FlashAttention's ``flash_attn_with_kvcache``: writes the new keys
+    and values into the preallocated caches in place, then attends the queries to each sequence's cached keys,
+    without copying the caches.
+
+    Sequence b holds ``cache_seqlens[b]`` keys before the call; ``key[b]``, ``value[b]`` (L new ones) are written
+    at positions ``cache_seqlens[b]`` to ``cache_seqlens[b] + L - 1``, and its queries attend to the first
+    ``cache_seqlens[b] + L`` keys (S_b), query i at position S_b - L + i: causal is aligned bottom-right, so a
+    new token sees the cache and the new tokens up to itself. ``cache_seqlens`` is not changed: add L to it
+    for the next step.
+
+    Args:
+        query (ndarray): (B, Hq, L, D), float32 or float64.
+        key_cache (ndarray): (B, Hk, S_max, D), same dtype, written in place; Hq a multiple of Hk (GQA).
+        value_cache (ndarray): (B, Hk, S_max, Dv), same dtype, written in place.
+        cache_seqlens (ndarray or int): (B,) integers (or one for every sequence), keys already in the cache.
+        key (ndarray, optional): (B, Hk, L, D), the new keys; value (ndarray, optional): (B, Hk, L, Dv). Both or
+            neither (then the queries attend to the cache as it is).
+        is_causal (bool): hide keys after each query's position (bottom-right). Default: True.
+        scale, window, alibi_slopes, softcap, sinks: as in ``scaled_dot_product_attention`` (positions
+            bottom-right, S = S_b per sequence).
+
+    Returns:
+        output (ndarray): (B, Hq, L, Dv).
+
+    Raises:
+        TypeError: arrays that are not float ndarrays of one dtype, a cache that is not a writeable ndarray.
+        ValueError: shapes that do not agree, a cache without room for the new keys (cache_seqlens[b] + L >
+        S_max), negative lengths, key without value; the option errors of ``scaled_dot_product_attention``.
+    """
+    query = check_array(query, "query", ndim=4)
+    dt = query.dtype
+    key_cache = check_array(key_cache, "key_cache", ndim=4, dtype=dt, written=True)
+    value_cache = check_array(value_cache, "value_cache", ndim=4, dtype=dt, written=True)
+    B, Hq, L, D = query.shape
+    _, Hk, S_max, _ = key_cache.shape
+    if key_cache.shape != (B, Hk, S_max, D) or value_cache.shape[:3] != (B, Hk, S_max):
+        raise ValueError(f"key_cache (B, Hk, S_max, D) and value_cache (B, Hk, S_max, Dv) must agree with query "
+                         f"(B, Hq, L, D); got query {query.shape}, key_cache {key_cache.shape}, value_cache "
+                         f"{value_cache.shape}")
+    if Hk == 0 or Hq % Hk:
+        raise ValueError(f"query heads must be a multiple of the cache's heads (GQA), got query {query.shape} and "
+                         f"key_cache {key_cache.shape}")
+    Dv = value_cache.shape[3]
+    lengths = np.broadcast_to(as_ndarray(cache_seqlens, "cache_seqlens"), (B,))
+    if lengths.dtype.kind not in "iu":
+        raise TypeError(f"cache_seqlens: expected integers, got dtype {lengths.dtype}")
+    if (key is None) != (value is None):
+        raise ValueError("key and value: give both (the new tokens) or neither")
+    new = 0
+    if key is not None:
+        key = check_array(key, "key", ndim=4, dtype=dt)
+        value = check_array(value, "value", ndim=4, dtype=dt)
+        new = key.shape[2]
+        if key.shape != (B, Hk, new, D) or value.shape != (B, Hk, new, Dv):
+            raise ValueError(f"key and value: expected (B, Hk, L_new, D) = {(B, Hk, new, D)} and (B, Hk, L_new, Dv) "
+                             f"= {(B, Hk, new, Dv)}, got {key.shape} and {value.shape}")
+    if (lengths < 0).any() or (lengths > S_max - new).any():
+        raise ValueError(f"cache_seqlens: expected lengths in [0, S_max - L_new] = [0, {S_max - new}], got "
+                         f"{lengths.tolist()}")
+    for name, c in (("key_cache", key_cache), ("value_cache", value_cache)):
+        if not c.flags.writeable or (c.shape[-1] > 1 and c.strides[-1] != c.itemsize):
+            raise ValueError(f"{name}: expected a writeable array whose last dimension is contiguous")
+    lengths = lengths.astype(np.int64)
+    scale = check_scale(scale)
+    scale = 1.0 if D == 0 else float(1.0 / math.sqrt(D) if scale is None else scale)
+    options, _ = variants(window, alibi_slopes, softcap, sinks, (B,), Hq, dt, seqlens_k=lengths + new)
+    causal = _CAUSAL["bottom_right"] if check_bool(is_causal, "is_causal") else 0
+    if new:
+        for b, s in enumerate(lengths.tolist()):  # the new tokens, in place
+            key_cache[b, :, s:s + new] = key[b]
+            value_cache[b, :, s:s + new] = value[b]
+    out = _empty((B, Hq, L, Dv), dt)
+    lse = np.empty((B, Hq, L), dt)
+    q4 = query if D <= 1 or query.strides[-1] == query.itemsize else np.ascontiguousarray(query)
+    _core.sdpa_forward(out, lse, q4, key_cache, value_cache, [], scale, causal, 0.0, 0, variants=options)
+    return out
 
 
 def dropout_mask(shape, p, seed):

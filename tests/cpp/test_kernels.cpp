@@ -198,7 +198,7 @@ void test_sdpa(const Case& c) {
     const auto& K = table<T>();
     K.sdpa_forward(lo.view(g.out.data()), g.lse.data(), lq.view(q.data()), lk.view(k.data()), lv.view(v.data()),
                    cfg);
-    K.sdpa_backward(lq.view(g.dq.data()), lk.view(g.dk.data()), lv.view(g.dv.data()), lo.view(dout.data()),
+    K.sdpa_backward(lq.view(g.dq.data()), lk.view(g.dk.data()), lv.view(g.dv.data()), nullptr, lo.view(dout.data()),
                     lo.view<const T>(g.out.data()), g.lse.data(), lq.view(q.data()), lk.view(k.data()),
                     lv.view(v.data()), cfg);
     return g;
