@@ -352,3 +352,18 @@ def test_flex_window_compiles_once_or_says_why():
     with pytest.raises(bench.Unavailable, match="^FlexAttention does not run here: NotImplementedError: "
                                                 "FlexAttention does not support backward on CPU"):
         bench.window_calls(shape, window, True, "flex", compile_flex=True, info={})
+
+
+def test_flex_compile_failure_names_its_cause():
+    # what inductor raises when FlexAttention's CPU kernel cannot be built (e.g. --capability default): the case is
+    # skipped with the first line that says something and the C++ compiler's first error, not "raised:"
+    from attnpp import bench
+
+    def fails():
+        raise RuntimeError("backend='inductor' raised:\nCppCompileError: C++ compile error\n\nCommand:\ng++ x.cpp\n\n"
+                           "Output:\nx.cpp: In lambda function:\nx.cpp:250:26: error: 'transpose_block' is not a member "
+                           "of 'at::vec'\nx.cpp:300:1: error: another one\n")
+    with pytest.raises(bench.Unavailable) as missing:
+        bench.compile_first_call(fails, {})
+    assert str(missing.value) == ("FlexAttention does not run here: RuntimeError: CppCompileError: C++ compile error "
+                                  "('transpose_block' is not a member of 'at::vec')")

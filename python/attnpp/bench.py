@@ -21,9 +21,10 @@ What it measures, all in float32, each case on both libraries with the same inpu
     (its first call, in the case's build) is kept out of the timings and printed under the table with the state of
     inductor's on-disk cache (a second run compiles faster); the block mask is built once per shape, as a user
     does, and its time is printed too. PyTorch 2.13 has no FlexAttention backward on the CPU, so the forward +
-    backward row against it is skipped saying so; a FlexAttention that cannot compile (no C++ compiler) skips its
-    rows the same way, and the dense-mask rows still run. --quick skips FlexAttention (a cold compile is about 15 s
-    here);
+    backward row against it is skipped saying so; a FlexAttention that cannot compile skips its rows the same way
+    (no C++ compiler; or ``--capability default``: PyTorch 2.13 builds FlexAttention's CPU kernel for AVX2 and
+    AVX-512 only), and the dense-mask rows still run. --quick skips FlexAttention (a cold compile is about 15 s on
+    a 2-core machine);
   - one decode step with a KV cache of 4096 tokens (batch 8, 32 query heads over 8 KV heads, D 128, one new token):
     ``scaled_dot_product_attention_with_kvcache`` (caches preallocated beyond 4097 tokens, ``cache_seqlens`` 4096,
     the new key and value written in place) against the same step in PyTorch (the new key and value assigned into
@@ -414,15 +415,21 @@ def compile_first_call(call, info):
     """Run ``call`` once, the call that compiles (torch.compile), and put its time in ``info["compile"]``, with
     the hits and misses of inductor's on-disk FX graph cache meanwhile (hits: an earlier run compiled the same graphs,
     so this compile was shorter). Unavailable, with the error, if it fails: FlexAttention needs inductor's C++
-    compiler on the CPU, and PyTorch 2.13 has no FlexAttention backward on the CPU."""
+    compiler and a vector ISA on the CPU (PyTorch 2.13 lowers it for AVX2 and AVX-512, not for the baseline that
+    ``--capability default`` forces), and has no backward on the CPU."""
     from torch._dynamo.utils import counters
     before = {key: counters["inductor"][f"fxgraph_cache_{key}"] for key in ("hit", "miss")}
     start = time.perf_counter()
     try:
         call()
     except Exception as error:  # whatever stops it (no compiler, no backward), the other cases go on
-        lines = str(error).strip().splitlines() or [""]
-        raise Unavailable(f"FlexAttention does not run here: {type(error).__name__}: {lines[0]}") from error
+        # the first line that says something (inductor's errors open with "backend='inductor' raised:"), and the
+        # C++ compiler's first error if there is one
+        lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+        reason = next((line for line in lines if not line.endswith(":")), "")
+        compiler = next((line.split(" error: ", 1)[1] for line in lines if " error: " in line), None)
+        reason += f" ({compiler})" if compiler else ""
+        raise Unavailable(f"FlexAttention does not run here: {type(error).__name__}: {reason}") from error
     info["compile"] = time.perf_counter() - start
     info.update({key: counters["inductor"][f"fxgraph_cache_{key}"] - n for key, n in before.items()})
 
