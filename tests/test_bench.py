@@ -367,3 +367,27 @@ def test_flex_compile_failure_names_its_cause():
         bench.compile_first_call(fails, {})
     assert str(missing.value) == ("FlexAttention does not run here: RuntimeError: CppCompileError: C++ compile error "
                                   "('transpose_block' is not a member of 'at::vec')")
+
+
+@pytest.mark.parametrize("quick", [True, False])
+def test_variant_cases_build_the_sizes_their_names_give(monkeypatch, quick):
+    # each build gets its own sizes, whatever names make_cases reuses afterwards (a lambda that read a later-
+    # reassigned local once ran the decode case at the varlen case's D); the builders are recorded, not run
+    from attnpp import bench
+    size, built = bench.SIZES[quick], []
+    monkeypatch.setattr(bench, "window_calls", lambda *args: built.append(("window", args[:2])))
+    monkeypatch.setattr(bench, "decode_steps", lambda *args: built.append(("decode", args)) or (None, None))
+    monkeypatch.setattr(bench, "varlen_sides", lambda *args: built.append(("varlen", args)))
+    monkeypatch.setattr(bench, "attention_calls", lambda sides, backward: None)
+    cases = bench.variant_cases(size, quick)
+    for case in cases:
+        case.build()
+    count, shortest, longest, H, D = size["varlen"]
+    lengths = bench.varlen_lengths(count, shortest, longest)
+    expected = {"window": tuple(size["window"]), "decode": tuple(size["decode"]), "varlen": (lengths, H, D)}
+    assert [kind for kind, _ in built] == [case.name.split()[0] for case in cases]
+    for (kind, args), case in zip(built, cases):
+        assert len(args) == len(expected[kind]) and all(np.array_equal(a, e) for a, e in zip(args, expected[kind])), \
+            (case.name, args)
+    B, Hq, Hk, D, S = size["decode"]
+    assert f"decode fwd {bench.fmt_shape((B, Hq, 1, D))} GQA {Hk} kv heads, cache {S}+1" in [c.name for c in cases]

@@ -631,7 +631,8 @@ def memory_summary(shape):
 
 def variant_cases(size, quick):
     """Issue 14's cases: the causal sliding window against FlexAttention and against a dense mask, the decode step
-    with a KV cache, the variable-length batch against its padded twin; each with its target ratio."""
+    with a KV cache, the variable-length batch against its padded twin; each with its target ratio. Every build
+    takes its sizes as default arguments: the names below are reused from case to case."""
     cases = []
     shape, window = size["window"]
     B, H, L, D = shape
@@ -640,20 +641,20 @@ def variant_cases(size, quick):
         for reference, (title, target) in references.items():
             name = f"window {'fwd+bwd' if backward else 'fwd'} {fmt_shape(shape)} causal w={window} vs {title}"
             info = {}  # FlexAttention's compile time, from its build to its line under the table
-            cases.append(Case(name, lambda b=backward, r=reference, i=info: window_calls(shape, window, b, r,
-                                                                                          not quick, i),
+            cases.append(Case(name, lambda b=backward, r=reference, i=info, s=shape, w=window:
+                              window_calls(s, w, b, r, not quick, i),
                               flops=attention_flops(B * H * window_pairs(L, window), D, backward), target=target,
                               summary=flex_summary(name, info) if reference == "flex" else None))
     B, Hq, Hk, D, S = size["decode"]
     cases.append(Case(f"decode fwd {fmt_shape((B, Hq, 1, D))} GQA {Hk} kv heads, cache {S}+1",
-                      lambda: forward_only(*decode_steps(B, Hq, Hk, D, S)),
+                      lambda sizes=size["decode"]: forward_only(*decode_steps(*sizes)),
                       flops=attention_flops(B * Hq * (S + 1), D, False), target=1.5))
     count, shortest, longest, H, D = size["varlen"]
     lengths = varlen_lengths(count, shortest, longest)
     for backward in (False, True):
         cases.append(Case(f"varlen {'fwd+bwd' if backward else 'fwd'} {count} seqs {shortest}..{longest} "
                           f"({lengths.sum()} tokens) H={H} D={D} causal vs padded",
-                          lambda b=backward: attention_calls(varlen_sides(lengths, H, D), b),
+                          lambda b=backward, n=lengths, h=H, d=D: attention_calls(varlen_sides(n, h, d), b),
                           flops=attention_flops(H * (lengths * (lengths + 1) // 2).sum(), D, backward),
                           target=1.5))
     return cases
