@@ -360,9 +360,9 @@ def test_flex_compile_failure_names_its_cause():
     from attnpp import bench
 
     def fails():
-        raise RuntimeError("backend='inductor' raised:\nCppCompileError: C++ compile error\n\nCommand:\ng++ x.cpp\n\n"
-                           "Output:\nx.cpp: In lambda function:\nx.cpp:250:26: error: 'transpose_block' is not a member "
-                           "of 'at::vec'\nx.cpp:300:1: error: another one\n")
+        raise RuntimeError("backend='inductor' raised:\nCppCompileError: C++ compile error\n\nCommand:\ng++ x.cpp\n"
+                           "\nOutput:\nx.cpp: In lambda function:\nx.cpp:250:26: error: 'transpose_block' is not a "
+                           "member of 'at::vec'\nx.cpp:300:1: error: another one\n")
     with pytest.raises(bench.Unavailable) as missing:
         bench.compile_first_call(fails, {})
     assert str(missing.value) == ("FlexAttention does not run here: RuntimeError: CppCompileError: C++ compile error "
