@@ -196,7 +196,10 @@ void test_sdpa(const Case& c) {
   cfg.seed = 12345;
   cfg.window_left = c.window_left, cfg.window_right = c.window_right, cfg.softcap = T(c.softcap);
   std::vector<T> slopes, sinks;
-  for (int64_t h = 0; h < c.Hq; ++h) slopes.push_back(T(std::ldexp(1.0, int(-1 - h)))), sinks.push_back(T(0.5 - (h % 2) + h));
+  for (int64_t h = 0; h < c.Hq; ++h) {
+    slopes.push_back(T(std::ldexp(1.0, int(-1 - h))));
+    sinks.push_back(T(0.5 - (h % 2) + h));
+  }
   if (c.alibi) cfg.alibi = slopes.data();
   if (c.sinks) cfg.sinks = sinks.data();
   std::vector<T> full, pad;
