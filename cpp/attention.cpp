@@ -58,8 +58,8 @@ void pack_block(PackedB<T>& b, const View4<const T>& a, int64_t n, int64_t h, in
 // q_blk (R, D) with row stride ldq, kt = k_blk^T (D, >= cols) packed. With a soft cap and `dcap`, also
 // dcap (R, cols) = 1 - tanh^2, the cap's derivative. Returns false when every score is -inf.
 template <typename T>
-bool score_block(RowMat<T>& scores, std::common_type_t<RowMat<T>>* dcap, const T* q_blk, int64_t ldq, const PackedB<T>& kt,
-                 const RowBlock& b, int64_t cols, const AttnConfig<T>& cfg, const Visible& vis, int64_t j0) {
+bool score_block(RowMat<T>& scores, std::common_type_t<RowMat<T>>* dcap, const T* q_blk, int64_t ldq,
+                 const PackedB<T>& kt, const RowBlock& b, int64_t cols, const AttnConfig<T>& cfg, const Visible& vis, int64_t j0) {
   const int64_t R = b.count();
   scores.resize(R, cols);
   gemm(scores.data(), cols, q_blk, ldq, int64_t(1), kt, R, cols, cfg.D, cfg.scale, false);
