@@ -206,7 +206,7 @@ def test_finite_differences_every_option():
     x = rng.standard_normal((2, 6, 6))
     kpm = np.zeros((2, 6), bool)
     kpm[1, 2] = True
-    g = rng.standard_normal((2, 6, 6))
+    g = rng.standard_normal((2, 6, 4))  # (out_dim = v_dim = 4)
     loss = lambda: float((layer(x, key_padding_mask=kpm) * g).sum())
     layer.zero_grad()
     layer(x, key_padding_mask=kpm)

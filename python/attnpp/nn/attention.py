@@ -251,8 +251,8 @@ class Attention(Module):
         window (tuple of 2 ints, optional): sliding-window (local) attention, ``(left, right)``: query i sees keys
             j with i + S - L - left <= j <= i + S - L + right, -1 leaving a side unbounded (FlashAttention's
             ``window_size``, positions aligned bottom-right when L != S; Beltagy et al., "Longformer", 2020;
-            Mistral 7B uses ``causal=True, window=(4095, 0)``). Combines with ``causal`` and the masks. Default:
-            None.
+            Mistral 7B's sliding window of w keys before each query is ``causal=True, window=(w, 0)``). Combines
+            with ``causal`` and the masks. Default: None.
         alibi (bool or array): ALiBi position biases (Press et al., "Train Short, Test Long", 2022): the score of
             query i and key j gets -slope_h * |i + S - L - j|. True: the paper's slopes for H heads
             (``attnpp.functional.get_alibi_slopes(num_heads)``); or an array (H,) of float slopes. Kept as the
