@@ -427,7 +427,8 @@ class Attention(torch.nn.Module):
 
     Raises:
         ValueError: H not dividing qk_dim or v_dim, a non-positive width, dropout outside [0, 1), an unknown
-        causal_alignment. TypeError: a dtype other than float32 or float64, widths that are not ints.
+        causal_alignment. TypeError: a dtype other than float32 or float64, widths that are not ints. And the
+        variants' errors, as ``attnpp.nn.Attention`` lists them.
     """
 
     def __init__(self, embed_dim, num_heads=1, *, qk_dim=None, v_dim=None, kv_dim=None, out_dim=None, bias=True,
