@@ -877,24 +877,12 @@ def _rotary_args(input, cos, sin, interleaved, position_offset, name):
     return x4, np.ascontiguousarray(cos), np.ascontiguousarray(sin), offsets, interleaved
 
 
-_ROTARY_DOC = """
-    Args:
-        {x} (ndarray): (B..., H, L, D), or (L, D) unbatched; float32 or float64. {rows}
-        cos, sin (ndarray): (P, R/2), the input's dtype: cos and sin of the angle of position p and pair d
-            (``rotary_tables`` makes them). R = 2 * cos.shape[-1] is the number of features rotated (rotary_dim),
-            R <= D; features R.. pass through unchanged.
-        interleaved (bool): the pairs rotated together: (2d, 2d + 1) if True (GPT-J); (d, d + R/2) if False
-            (GPT-NeoX, Llama; Hugging Face's ``rotate_half``). Default: False.
-        position_offset (int or ndarray): the position of row 0, >= 0: an int for every sequence, or an integer
-            array (B,), one per sequence, for a 4-D {x} (B, H, L, D) (KV-cache decoding, as FlashAttention's
-            ``seqlen_offsets``). P >= position_offset + L. Default: 0.
-"""
 _ROTARY_ERRORS = """
     Raises:
-        TypeError: a non-float {x}, cos or sin of another dtype than {x}'s, interleaved not a bool,
+        TypeError: a non-float input, cos or sin of another dtype than the input's, interleaved not a bool,
             position_offset neither an int nor an integer array.
         ValueError: cos and sin of different shapes or not 2-D, R > D, P < position_offset + L, a negative
-            position_offset, an offset array not of shape (B,) or given with a {x} that is not 4-D.
+            position_offset, an offset array not of shape (B,) or given with an input that is not 4-D.
 
     Source: Su et al., "RoFormer: Enhanced Transformer with Rotary Position Embedding" (2021); the arguments
     follow FlashAttention's ``apply_rotary_emb`` (``flash_attn.layers.rotary``).
@@ -913,10 +901,22 @@ rotary_embedding.__doc__ = """Rotary position embeddings (RoPE): rotate pairs of
     For the token at position p and each pair (a, b) of its first R features, with c = cos[p, d] and
     s = sin[p, d] for pair d: ``out[a] = x[a] c - x[b] s``, ``out[b] = x[b] c + x[a] s``; ``out[R:] = x[R:]``.
     Applied to the query and key before attention, it makes q . k depend on their positions' difference only.
-""" + _ROTARY_DOC.format(x="input", rows="Row l of each (L, D) matrix is the\n            token at position ``position_offset + l``.") + """
+
+    Args:
+        input (ndarray): (B..., H, L, D), or (L, D) unbatched; float32 or float64. Row l of each (L, D) matrix
+            is the token at position ``position_offset + l``.
+        cos, sin (ndarray): (P, R/2), the input's dtype: cos and sin of the angle of position p and pair d
+            (``rotary_tables`` makes them). R = 2 * cos.shape[-1] is the number of features rotated (rotary_dim),
+            R <= D; features R.. pass through unchanged.
+        interleaved (bool): the pairs rotated together: (2d, 2d + 1) if True (GPT-J); (d, d + R/2) if False
+            (GPT-NeoX, Llama; Hugging Face's ``rotate_half``). Default: False.
+        position_offset (int or ndarray): the position of row 0, >= 0: an int for every sequence, or an integer
+            array (B,), one per sequence, for a 4-D input (B, H, L, D) (KV-cache decoding, as FlashAttention's
+            ``seqlen_offsets``). P >= position_offset + L. Default: 0.
+
     Returns:
         ndarray of input's shape and dtype (a new array).
-""" + _ROTARY_ERRORS.format(x="input")
+""" + _ROTARY_ERRORS
 
 
 def rotary_embedding_backward(grad_output, cos, sin, *, interleaved=False, position_offset=0):
@@ -930,8 +930,13 @@ def rotary_embedding_backward(grad_output, cos, sin, *, interleaved=False, posit
 rotary_embedding_backward.__doc__ = """Gradient of ``rotary_embedding`` with respect to its input.
 
     The rotation's transpose: grad_output rotated by the opposite angles (sin -> -sin); the features R.. pass
-    through. Needs no saved forward values.
-""" + _ROTARY_DOC.format(x="grad_output", rows="The gradient of the loss with respect\n            to the forward's output.") + """
+    through. Needs nothing saved by the forward.
+
+    Args:
+        grad_output (ndarray): (B..., H, L, D), or (L, D) unbatched, float32 or float64: the gradient of the loss
+            with respect to the forward's output.
+        cos, sin, interleaved, position_offset: exactly as given to ``rotary_embedding``.
+
     Returns:
         grad_input (ndarray): grad_output's shape and dtype.
-""" + _ROTARY_ERRORS.format(x="grad_output")
+""" + _ROTARY_ERRORS.replace("a non-float input", "a non-float grad_output")
