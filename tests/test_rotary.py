@@ -155,6 +155,8 @@ def test_torch_tensor_inputs(rng, dtype):
     cos, sin = AF.rotary_tables(16, 8, dtype=dtype)
     ours = AF.rotary_embedding(torch.tensor(x), torch.tensor(cos), torch.tensor(sin), position_offset=2)
     np.testing.assert_array_equal(ours, AF.rotary_embedding(x, cos, sin, position_offset=2))
+    for offset in (np.int32(2), np.array(2, np.uint8), torch.tensor(2)):  # scalars of other kinds: the same
+        np.testing.assert_array_equal(AF.rotary_embedding(x, cos, sin, position_offset=offset), ours)
 
 
 @pytest.mark.parametrize("shape,R", [((0, 2, 3, 4), 4), ((2, 0, 3, 4), 4), ((2, 2, 0, 4), 4), ((2, 2, 3, 0), 0),
@@ -340,6 +342,9 @@ BAD = [
      ["position_offset", "(2, 1)"]),
     ("offset_array_3d_input", _rope(x=X[0], position_offset=np.array([0, 1, 2])), ValueError,
      ["position_offset", "4-D", "(3, 5, 8)"]),
+    ("offset_bool_array", _rope(position_offset=np.array([True, False])), TypeError, ["position_offset", "bool"]),
+    ("offset_0d_float", _rope(position_offset=np.array(2.0)), TypeError, ["position_offset", "float64"]),
+    ("offset_0d_negative", _rope(position_offset=np.array(-2)), ValueError, ["position_offset", ">= 0", "-2"]),
     ("interleaved_str", _rope(interleaved="yes"), TypeError, ["interleaved", "str"]),
     ("interleaved_int", _rope(interleaved=1), TypeError, ["interleaved", "int"]),
     ("backward_grad_int", _rope_b(g=X.astype(np.int32)), TypeError, ["grad_output", "int32"]),

@@ -845,21 +845,23 @@ def _rotary_args(input, cos, sin, interleaved, position_offset, name):
     batch = input.shape[:-3]
     H = input.shape[-3] if input.ndim >= 3 else 1
     N = math.prod(batch)
-    if isinstance(position_offset, numbers.Integral) or (isinstance(position_offset, np.ndarray) and
-                                                          position_offset.ndim == 0):
-        offset = check_int(position_offset.item() if isinstance(position_offset, np.ndarray) else position_offset,
-                           "position_offset")
+    offsets = position_offset
+    if not isinstance(offsets, numbers.Integral):  # an array (or tensor) of offsets, or a 0-d one
+        if not hasattr(offsets, "__dlpack__") and not hasattr(offsets, "__array__"):
+            raise TypeError(f"position_offset: expected an int or an integer array of shape (B,), got "
+                            f"{type(offsets).__name__}")
+        offsets = as_ndarray(offsets, "position_offset")
+        if offsets.dtype.kind not in "iu":
+            raise TypeError(f"position_offset: expected an int or an integer array, got dtype {offsets.dtype}")
+        if offsets.ndim == 0:
+            offsets = offsets.item()
+    if isinstance(offsets, numbers.Integral):
+        offset = check_int(offsets, "position_offset")
         if offset + L > P:
             raise ValueError(f"cos, sin: {P} positions (P = cos.shape[0]) are too few for position_offset "
                              f"{offset} + L {L} = {offset + L}")
         offsets = np.full(N, offset, np.int64)
     else:
-        if not hasattr(position_offset, "__dlpack__") and not hasattr(position_offset, "__array__"):
-            raise TypeError(f"position_offset: expected an int or an integer array of shape (B,), got "
-                            f"{type(position_offset).__name__}")
-        offsets = as_ndarray(position_offset, "position_offset")
-        if offsets.dtype.kind not in "iu":
-            raise TypeError(f"position_offset: expected an int or an integer array, got dtype {offsets.dtype}")
         if input.ndim != 4 or offsets.shape != batch:
             raise ValueError(f"position_offset: an array of offsets needs a 4-D {name} (B, H, L, D) and has shape "
                              f"(B,), got position_offset {offsets.shape} for {name} {input.shape}")
