@@ -284,7 +284,7 @@ def test_property_parity(case, kind):
 @given(st.sampled_from(DTYPES), st.booleans(), st.integers(1, 16), st.integers(0, 500), st.integers(0, 500),
        st.integers(0, 500), st.integers(0, 2**32 - 1))
 def test_property_relative_positions(dtype, interleaved, pairs, p, q, shift, seed):
-    """RoPE's point (RoFormer, eq. 16): rope(x, p) . rope(y, q) depends on p - q only."""
+    """RoPE's point (RoFormer): rope(x, p) . rope(y, q) depends on p - q only."""
     HYPOTHESIS_EXAMPLES["test_property_relative_positions"] += 1
     rng = np.random.default_rng(seed)
     cos, sin = AF.rotary_tables(1001, 2 * pairs, dtype=dtype)

@@ -806,7 +806,7 @@ def rotary_tables(max_positions, rotary_dim, base=10000.0, dtype=np.float32):
         TypeError: max_positions or rotary_dim not an int, base not a number, another dtype. ValueError: a negative
         max_positions, an odd or non-positive rotary_dim, a base that is not finite and > 0.
 
-    Source: Su et al., "RoFormer: Enhanced Transformer with Rotary Position Embedding" (2021), section 3.2.2.
+    Source: Su et al., "RoFormer: Enhanced Transformer with Rotary Position Embedding" (2021).
     """
     max_positions = check_int(max_positions, "max_positions")
     rotary_dim = check_int(rotary_dim, "rotary_dim", minimum=1)
