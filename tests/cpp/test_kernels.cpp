@@ -1,6 +1,7 @@
 // Standalone test of ONE CPU level's kernels (the namespace attnpp::ATTNPP_CPU_NS, through its table `kernels`)
 // against naive references in double: sdpa forward (out, logsumexp) and backward (dq, dk, dv), linear forward
-// and backward, float32 and float64. No Python, no framework: one line per check, then "N passed, N failed".
+// and backward, rotary embedding forward and backward, float32 and float64. No Python, no framework: one line per
+// check, then "N passed, N failed".
 // Built and run per level (natively, and under qemu for aarch64 and an old x86-64) by tools/cross_check.sh, e.g.
 //   g++ -O3 -fno-math-errno -fopenmp -std=c++17 -march=x86-64-v3 -DATTNPP_CPU_NS=cpu_avx2
 //       -DEIGEN_GEMM_TO_COEFFBASED_THRESHOLD=0 -Icpp -I<eigen3> tests/cpp/test_kernels.cpp cpp/{attention,...}.cpp
@@ -80,6 +81,10 @@ struct Case {
   bool masks = false;       // an additive (N, 1, L, S) mask with -inf holes and a fully masked row, plus an (N, S) one
   double dropout_p = 0;
   bool interleaved = false; // buffers laid out (N, rows, H, cols), as MultiheadAttention passes them
+  int64_t window_left = -1, window_right = -1;  // sliding window, keys [i + S - L - left, i + S - L + right]
+  double softcap = 0;       // scores -> softcap * tanh(scores / softcap)
+  bool alibi = false;       // slopes 0.5, 0.25, ... per query head: score -= slope * |i + S - L - j|
+  bool sinks = false;       // a logit per head in the softmax's denominator: 0.5, -0.5, 1.5, ...
 };
 
 // A (N, H, rows, cols) tensor in either layout: its View4 strides and element (n, h, r, c)'s offset.
@@ -106,7 +111,7 @@ void make_masks(const Case& c, std::vector<T>& full, std::vector<T>& pad) {
 
 // Naive attention in double: forward (out, lse) and backward (+= into dq, dk, dv) from the same inputs.
 struct Reference {
-  std::vector<double> out, lse, dq, dk, dv;
+  std::vector<double> out, lse, dq, dk, dv, dsinks;
 };
 template <typename T>
 Reference reference(const Case& c, const AttnConfig<T>& cfg, const Layout& lq, const Layout& lk, const Layout& lv,
@@ -114,8 +119,8 @@ Reference reference(const Case& c, const AttnConfig<T>& cfg, const Layout& lq, c
                     const std::vector<T>& dout, const std::vector<T>& dq0, const std::vector<T>& dk0,
                     const std::vector<T>& dv0) {
   Reference R{std::vector<double>(lo.size()), std::vector<double>(size_t(c.N * c.Hq * c.L)), widen(dq0), widen(dk0),
-              widen(dv0)};
-  std::vector<double> s(c.S), p(c.S), keep(c.S);
+              widen(dv0), std::vector<double>(size_t(c.Hq))};
+  std::vector<double> s(c.S), p(c.S), keep(c.S), dcap(c.S, 1.0);
   for (int64_t n = 0; n < c.N; ++n)
     for (int64_t h = 0; h < c.Hq; ++h) {
       const int64_t hk = h / (c.Hq / c.Hk);
@@ -125,18 +130,28 @@ Reference reference(const Case& c, const AttnConfig<T>& cfg, const Layout& lq, c
           double dot = 0;
           for (int64_t d = 0; d < c.D; ++d) dot += double(q[lq.at(n, h, i, d)]) * double(k[lk.at(n, hk, j, d)]);
           s[j] = double(cfg.scale) * dot;
+          if (c.softcap > 0) {
+            const double t = std::tanh(s[j] / c.softcap);
+            s[j] = c.softcap * t, dcap[j] = 1 - t * t;
+          }
           for (const auto& mv : cfg.masks) s[j] += double(mv.at(n, h, i, j));
-          if (j > cfg.last_key(i)) s[j] = -INFINITY;
+          if (c.alibi) s[j] -= double(cfg.alibi[h]) * std::abs(double(i + c.S - c.L - j));
+          const int64_t diag = c.S - c.L;
+          const bool hidden = (c.causal != Causal::none && j > i + (c.causal == Causal::bottom_right ? diag : 0)) ||
+                              (c.window_left >= 0 && j < i + diag - c.window_left) ||
+                              (c.window_right >= 0 && j > i + diag + c.window_right);
+          if (hidden) s[j] = -INFINITY;
           m = std::max(m, s[j]);
           const uint64_t index = uint64_t(((n * c.Hq + h) * c.L + i) * c.S + j);
           keep[j] = c.dropout_p == 0 ? 1 : dropout_keep(cfg.seed, index, c.dropout_p) / (1 - c.dropout_p);
         }
         double& lse = R.lse[size_t((n * c.Hq + h) * c.L + i)];
-        if (m == -INFINITY) {  // fully masked row: out 0 (already), lse -inf, no gradient
-          lse = -INFINITY;
+        const double sink = c.sinks ? double(cfg.sinks[h]) : -INFINITY;
+        if (m == -INFINITY) {  // fully masked row: out 0 (already), lse -inf (or the sink's), no gradient
+          lse = sink;
           continue;
         }
-        double sum = 0;
+        double sum = std::exp(sink - m);
         for (int64_t j = 0; j < c.S; ++j) sum += std::exp(s[j] - m);
         lse = m + std::log(sum);
         for (int64_t j = 0; j < c.S; ++j) p[j] = std::exp(s[j] - lse);
@@ -153,8 +168,9 @@ Reference reference(const Case& c, const AttnConfig<T>& cfg, const Layout& lq, c
           dp[j] = g * keep[j];
           delta += p[j] * dp[j];
         }
+        if (c.sinks) R.dsinks[h] -= std::exp(sink - lse) * delta;  // the sink's p times (0 - delta)
         for (int64_t j = 0; j < c.S; ++j) {
-          const double ds = double(cfg.scale) * p[j] * (dp[j] - delta);
+          const double ds = double(cfg.scale) * p[j] * (dp[j] - delta) * dcap[j];
           for (int64_t d = 0; d < c.D; ++d) {
             R.dq[lq.at(n, h, i, d)] += ds * double(k[lk.at(n, hk, j, d)]);
             R.dk[lk.at(n, hk, j, d)] += ds * double(q[lq.at(n, h, i, d)]);
@@ -179,6 +195,14 @@ void test_sdpa(const Case& c) {
   cfg.causal = c.causal;
   cfg.dropout_p = c.dropout_p;
   cfg.seed = 12345;
+  cfg.window_left = c.window_left, cfg.window_right = c.window_right, cfg.softcap = T(c.softcap);
+  std::vector<T> slopes, sinks;
+  for (int64_t h = 0; h < c.Hq; ++h) {
+    slopes.push_back(T(std::ldexp(1.0, int(-1 - h))));
+    sinks.push_back(T(0.5 - (h % 2) + h));
+  }
+  if (c.alibi) cfg.alibi = slopes.data();
+  if (c.sinks) cfg.sinks = sinks.data();
   std::vector<T> full, pad;
   std::vector<int64_t> full_offset, pad_offset;
   if (c.masks) {
@@ -190,15 +214,16 @@ void test_sdpa(const Case& c) {
 
   // The kernels' results at a given thread count (the OpenMP path and the plain loop must agree bitwise).
   struct Got {
-    std::vector<T> out, lse, dq, dk, dv;
+    std::vector<T> out, lse, dq, dk, dv, dsinks;
   };
   const auto run = [&](int threads) {
     set_thread_count(threads);
-    Got g{std::vector<T>(lo.size()), std::vector<T>(size_t(c.N * c.Hq * c.L)), dq0, dk0, dv0};
+    Got g{std::vector<T>(lo.size()), std::vector<T>(size_t(c.N * c.Hq * c.L)), dq0, dk0, dv0,
+          std::vector<T>(size_t(c.Hq))};
     const auto& K = table<T>();
     K.sdpa_forward(lo.view(g.out.data()), g.lse.data(), lq.view(q.data()), lk.view(k.data()), lv.view(v.data()),
                    cfg);
-    K.sdpa_backward(lq.view(g.dq.data()), lk.view(g.dk.data()), lv.view(g.dv.data()), nullptr, lo.view(dout.data()),
+    K.sdpa_backward(lq.view(g.dq.data()), lk.view(g.dk.data()), lv.view(g.dv.data()), g.dsinks.data(), lo.view(dout.data()),
                     lo.view<const T>(g.out.data()), g.lse.data(), lq.view(q.data()), lk.view(k.data()),
                     lv.view(v.data()), cfg);
     return g;
@@ -211,9 +236,11 @@ void test_sdpa(const Case& c) {
   check(tag + "dq", g.dq, R.dq);
   check(tag + "dk", g.dk, R.dk);
   check(tag + "dv", g.dv, R.dv);
+  if (c.sinks) check(tag + "dsinks", g.dsinks, R.dsinks);
   const Got one = run(1);
   check_true(tag + "1 thread == " + std::to_string(std::max(2, omp_get_max_threads())) + " threads, bitwise",
-             one.out == g.out && one.lse == g.lse && one.dq == g.dq && one.dk == g.dk && one.dv == g.dv);
+             one.out == g.out && one.lse == g.lse && one.dq == g.dq && one.dk == g.dk && one.dv == g.dv &&
+                 one.dsinks == g.dsinks);
 }
 
 // --------------------------------------------------------------------------------------------------- linear
@@ -250,6 +277,49 @@ void test_linear(int64_t M, int64_t Fin, int64_t Fout, bool bias, bool need_dx) 
   else check_true(std::string(tag) + "db=nullptr left alone", db == db0);
 }
 
+// --------------------------------------------------------------------------------------------------- rotary
+// x (N, H, L, D) laid out (N, L, H, D) when `strided` (the heads of a projection's output), cos, sin (P, R2),
+// offsets (N): forward, backward (added into a nonzero dx), and the forward in place (out = x).
+template <typename T>
+void test_rotary(int64_t N, int64_t H, int64_t L, int64_t D, int64_t R2, bool interleaved, bool strided) {
+  const int64_t P = L + 9;
+  const Layout lay{N, H, L, D, strided};
+  const auto x = uniform<T>(lay.size(), 21), dout = uniform<T>(lay.size(), 22);
+  const auto cos = uniform<T>(size_t(P * R2), 23), sin = uniform<T>(size_t(P * R2), 24);
+  std::vector<int64_t> offsets(static_cast<size_t>(N));
+  for (int64_t n = 0; n < N; ++n) offsets[n] = (n * 5) % 10;  // 0, 5, 0, ...: up to P - L
+  auto dx = uniform<T>(lay.size(), 25);
+  std::vector<double> out_ref = widen(x), dx_ref = widen(dx);
+  for (int64_t n = 0; n < N; ++n)
+    for (int64_t h = 0; h < H; ++h)
+      for (int64_t l = 0; l < L; ++l) {
+        const int64_t p = offsets[n] + l;
+        for (int64_t d = 0; d < 2 * R2; ++d) out_ref[lay.at(n, h, l, d)] = dx_ref[lay.at(n, h, l, d)] = 0;
+        for (int64_t d = 0; d < R2; ++d) {
+          const size_t a = lay.at(n, h, l, interleaved ? 2 * d : d);
+          const size_t b = lay.at(n, h, l, interleaved ? 2 * d + 1 : d + R2);
+          const double c = cos[p * R2 + d], s = sin[p * R2 + d];
+          out_ref[a] = x[a] * c - x[b] * s, out_ref[b] = x[b] * c + x[a] * s;
+          dx_ref[a] = dx[a] + dout[a] * c + dout[b] * s, dx_ref[b] = dx[b] + dout[b] * c - dout[a] * s;
+        }
+        for (int64_t d = 2 * R2; d < D; ++d) dx_ref[lay.at(n, h, l, d)] += dout[lay.at(n, h, l, d)];
+      }
+  std::vector<T> out(lay.size()), inplace = x;
+  table<T>().rotary_forward(lay.view(out.data()), lay.view(x.data()), cos.data(), sin.data(), offsets.data(), N, H, L,
+                            D, R2, interleaved);
+  table<T>().rotary_backward(lay.view(dx.data()), lay.view(dout.data()), cos.data(), sin.data(), offsets.data(), N, H,
+                             L, D, R2, interleaved);
+  table<T>().rotary_forward(lay.view(inplace.data()), lay.view<const T>(inplace.data()), cos.data(), sin.data(),
+                            offsets.data(), N, H, L, D, R2, interleaved);
+  char tag[96];
+  std::snprintf(tag, sizeof tag, "rotary N=%lld H=%lld L=%lld D=%lld R=%lld%s%s %s ", (long long)N, (long long)H,
+                (long long)L, (long long)D, (long long)(2 * R2), interleaved ? " interleaved" : "",
+                strided ? " strided" : "", dtype_name<T>());
+  check(std::string(tag) + "out", out, out_ref);
+  check(std::string(tag) + "dx", dx, dx_ref);
+  check_true(std::string(tag) + "in place == out of place, bitwise", inplace == out);
+}
+
 template <typename T>
 void test_all() {
   const Case cases[] = {
@@ -263,12 +333,26 @@ void test_all() {
       {"float masks, masked row",      2, 4, 2, 70, 133, 24, 40, Causal::none, true},
       {"dropout 0.3 causal masks",     2, 4, 2, 70, 133, 24, 40, Causal::top_left, true, 0.3},
       {"tiny L=S=D=Dv=1",              1, 1, 1, 1, 1, 1, 1},
+      // the variants (issue 14): name    N  Hq Hk  L    S    D   Dv  causal       masks drop  interl. window
+      {"causal window 40",             1, 2, 1, 300, 300, 16, 8, Causal::top_left, false, 0, false, 40, 0},
+      {"window (7, 3) L<S GQA",        2, 4, 2, 70, 133, 24, 40, Causal::none, false, 0, false, 7, 3},
+      {"window L>S, masks, dropout",   2, 4, 2, 150, 70, 8, 12, Causal::none, true, 0.3, false, 20, -1},
+      {"softcap alibi sinks causal",   2, 4, 2, 70, 133, 24, 40, Causal::bottom_right, false, 0, false, -1, -1, 2.0,
+       true, true},
+      {"decode L=1 GQA sinks window",  3, 8, 2, 1, 300, 16, 16, Causal::bottom_right, false, 0, false, 100, -1, 0,
+       true, true},
+      {"all of them, dropout, masks",  2, 4, 2, 70, 133, 24, 40, Causal::none, true, 0.2, true, 30, 5, 5.0, true,
+       true},
   };
   for (const auto& c : cases) test_sdpa<T>(c);
   test_linear<T>(37, 50, 3, true, true);    // narrow output: dot products
   test_linear<T>(37, 3, 50, true, true);    // narrow input: the backward's transposed path
   test_linear<T>(130, 70, 90, true, true);  // wide: the tiled gemm
   test_linear<T>(130, 70, 90, false, false);
+  test_rotary<T>(3, 4, 37, 64, 32, false, false);  // R = D, half-split
+  test_rotary<T>(3, 4, 37, 64, 32, true, true);    // R = D, interleaved, strided
+  test_rotary<T>(2, 3, 300, 80, 16, false, true);  // R < D, enough rows for the threads
+  test_rotary<T>(2, 3, 11, 13, 5, true, false);    // R < D, D odd
 }
 
 int main() {
