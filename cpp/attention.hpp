@@ -16,8 +16,8 @@ void sdpa_forward(const View4<T>& out, T* logsumexp, const View4<const T>& q, co
 // Gradients of sdpa_forward, accumulated (+=) into dq (N, Hq, L, D), dk (N, Hk, S, D), dv (N, Hk, S, Dv) and,
 // with cfg.sinks and when not null, dsinks (Hq).
 template <typename T>
-void sdpa_backward(const View4<T>& dq, const View4<T>& dk, const View4<T>& dv, T* dsinks, const View4<const T>& dout,
-                   const View4<const T>& out, const T* logsumexp, const View4<const T>& q,
+void sdpa_backward(const View4<T>& dq, const View4<T>& dk, const View4<T>& dv, T* dsinks,
+                   const View4<const T>& dout, const View4<const T>& out, const T* logsumexp, const View4<const T>& q,
                    const View4<const T>& k, const View4<const T>& v, const AttnConfig<T>& cfg);
 
 // The attention weights (N, Hq, L, S), contiguous, after dropout when cfg.dropout_p > 0:

@@ -18,8 +18,8 @@ template <typename T>
 struct Kernels {
   void (*sdpa_forward)(const View4<T>& out, T* logsumexp, const View4<const T>& q, const View4<const T>& k,
                        const View4<const T>& v, const AttnConfig<T>& cfg);
-  void (*sdpa_backward)(const View4<T>& dq, const View4<T>& dk, const View4<T>& dv, T* dsinks, const View4<const T>& dout,
-                        const View4<const T>& out, const T* logsumexp, const View4<const T>& q,
+  void (*sdpa_backward)(const View4<T>& dq, const View4<T>& dk, const View4<T>& dv, T* dsinks,
+                        const View4<const T>& dout, const View4<const T>& out, const T* logsumexp, const View4<const T>& q,
                         const View4<const T>& k, const View4<const T>& v, const AttnConfig<T>& cfg);
   void (*sdpa_weights)(T* weights, const T* logsumexp, const View4<const T>& q, const View4<const T>& k,
                        const AttnConfig<T>& cfg, bool average_heads);

@@ -292,6 +292,47 @@ def test_core_refuses_shapes_whose_strides_overflow(function, shape, exc):
         call()
 
 
+# the core's guards on the variants' arrays given to it directly (what memory safety needs: offsets and lengths
+# within the arrays, slopes and sinks of the right size), whatever the Python layer checked first
+def _core_sdpa(**variants):
+    q = np.zeros((1, 2, 5, 4))
+    out, lse = np.zeros((1, 2, 5, 4)), np.zeros((1, 2, 5))
+    attnpp._core.sdpa_forward(out, lse, q, q, q, [], 1.0, 0, 0.0, 0,
+                              variants=attnpp._core.AttentionVariants(**variants))
+
+
+I64 = lambda *v: np.array(v, dtype=np.int64)
+
+
+@pytest.mark.parametrize("variants, exc, ws", [
+    (dict(cu_seqlens_q=I64(0, 3, 6), cu_seqlens_k=I64(0, 3, 5)), ValueError, ["cu_seqlens_q", "0 to 5"]),
+    (dict(cu_seqlens_q=I64(0, 3, 2, 5), cu_seqlens_k=I64(0, 1, 2, 5)), ValueError, ["cu_seqlens_q"]),
+    (dict(cu_seqlens_q=I64(0, 5), cu_seqlens_k=I64(0, 2, 5)), ValueError, ["same number"]),
+    (dict(cu_seqlens_q=I64(0, 5)), ValueError, ["go together"]),
+    (dict(cu_seqlens_q=np.array([0, 5.0]), cu_seqlens_k=I64(0, 5)), TypeError, ["cu_seqlens_q", "int64"]),
+    (dict(seqlens_k=I64(6)), ValueError, ["seqlens_k", "[0, S]"]),
+    (dict(seqlens_k=I64(-1)), ValueError, ["seqlens_k"]),
+    (dict(seqlens_k=I64(1, 2)), ValueError, ["seqlens_k", "one length per batch"]),
+    (dict(alibi_slopes=np.ones((1, 3))), ValueError, ["alibi_slopes", "(1 or 1, 2)"]),
+    (dict(alibi_slopes=np.ones((1, 2), dtype=np.float32)), TypeError, ["alibi_slopes", "float64"]),
+    (dict(sinks=np.ones(3)), ValueError, ["sinks", "2 values"]),
+    (dict(sinks=[1.0, 2.0]), TypeError, ["sinks", "numpy.ndarray"]),
+    (dict(softcap=-1.0), ValueError, ["softcap"]),
+    (dict(softcap=float("nan")), ValueError, ["softcap"]),
+], ids=str)
+def test_core_refuses_bad_variants(variants, exc, ws):
+    with pytest.raises(exc, match=words(*ws)):
+        _core_sdpa(**variants)
+
+
+def test_core_refuses_bad_grad_sinks():
+    q = np.zeros((1, 2, 5, 4))
+    with pytest.raises(ValueError, match=words("grad_sinks", "(2)")):
+        attnpp._core.sdpa_backward(q.copy(), q.copy(), q.copy(), q, q, np.zeros((1, 2, 5)), q, q, q, [], 1.0, 0, 0.0,
+                                   0, variants=attnpp._core.AttentionVariants(sinks=np.zeros(2)),
+                                   grad_sinks=np.zeros(3))
+
+
 # ------------------------------------------------------------------------------------- linear, linear_backward
 # linear(input (2, 4), weight (3, 4), bias (3,)); linear_backward accumulates into GRAD_W (3, 4), GRAD_B (3,)
 FX, FW, FB, FGY = randn(2, 4, seed=30), randn(3, 4, seed=31), randn(3, seed=32), randn(2, 3, seed=33)

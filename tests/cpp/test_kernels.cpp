@@ -80,6 +80,10 @@ struct Case {
   bool masks = false;       // an additive (N, 1, L, S) mask with -inf holes and a fully masked row, plus an (N, S) one
   double dropout_p = 0;
   bool interleaved = false; // buffers laid out (N, rows, H, cols), as MultiheadAttention passes them
+  int64_t window_left = -1, window_right = -1;  // sliding window, keys [i + S - L - left, i + S - L + right]
+  double softcap = 0;       // scores -> softcap * tanh(scores / softcap)
+  bool alibi = false;       // slopes 0.5, 0.25, ... per query head: score -= slope * |i + S - L - j|
+  bool sinks = false;       // a logit per head in the softmax's denominator: 0.5, -0.5, 1.5, ...
 };
 
 // A (N, H, rows, cols) tensor in either layout: its View4 strides and element (n, h, r, c)'s offset.
@@ -106,7 +110,7 @@ void make_masks(const Case& c, std::vector<T>& full, std::vector<T>& pad) {
 
 // Naive attention in double: forward (out, lse) and backward (+= into dq, dk, dv) from the same inputs.
 struct Reference {
-  std::vector<double> out, lse, dq, dk, dv;
+  std::vector<double> out, lse, dq, dk, dv, dsinks;
 };
 template <typename T>
 Reference reference(const Case& c, const AttnConfig<T>& cfg, const Layout& lq, const Layout& lk, const Layout& lv,
@@ -114,8 +118,8 @@ Reference reference(const Case& c, const AttnConfig<T>& cfg, const Layout& lq, c
                     const std::vector<T>& dout, const std::vector<T>& dq0, const std::vector<T>& dk0,
                     const std::vector<T>& dv0) {
   Reference R{std::vector<double>(lo.size()), std::vector<double>(size_t(c.N * c.Hq * c.L)), widen(dq0), widen(dk0),
-              widen(dv0)};
-  std::vector<double> s(c.S), p(c.S), keep(c.S);
+              widen(dv0), std::vector<double>(size_t(c.Hq))};
+  std::vector<double> s(c.S), p(c.S), keep(c.S), dcap(c.S, 1.0);
   for (int64_t n = 0; n < c.N; ++n)
     for (int64_t h = 0; h < c.Hq; ++h) {
       const int64_t hk = h / (c.Hq / c.Hk);
@@ -125,18 +129,28 @@ Reference reference(const Case& c, const AttnConfig<T>& cfg, const Layout& lq, c
           double dot = 0;
           for (int64_t d = 0; d < c.D; ++d) dot += double(q[lq.at(n, h, i, d)]) * double(k[lk.at(n, hk, j, d)]);
           s[j] = double(cfg.scale) * dot;
+          if (c.softcap > 0) {
+            const double t = std::tanh(s[j] / c.softcap);
+            s[j] = c.softcap * t, dcap[j] = 1 - t * t;
+          }
           for (const auto& mv : cfg.masks) s[j] += double(mv.at(n, h, i, j));
-          if (j > cfg.last_key(i)) s[j] = -INFINITY;
+          if (c.alibi) s[j] -= double(cfg.alibi[h]) * std::abs(double(i + c.S - c.L - j));
+          const int64_t diag = c.S - c.L;
+          const bool hidden = (c.causal != Causal::none && j > i + (c.causal == Causal::bottom_right ? diag : 0)) ||
+                              (c.window_left >= 0 && j < i + diag - c.window_left) ||
+                              (c.window_right >= 0 && j > i + diag + c.window_right);
+          if (hidden) s[j] = -INFINITY;
           m = std::max(m, s[j]);
           const uint64_t index = uint64_t(((n * c.Hq + h) * c.L + i) * c.S + j);
           keep[j] = c.dropout_p == 0 ? 1 : dropout_keep(cfg.seed, index, c.dropout_p) / (1 - c.dropout_p);
         }
         double& lse = R.lse[size_t((n * c.Hq + h) * c.L + i)];
-        if (m == -INFINITY) {  // fully masked row: out 0 (already), lse -inf, no gradient
-          lse = -INFINITY;
+        const double sink = c.sinks ? double(cfg.sinks[h]) : -INFINITY;
+        if (m == -INFINITY) {  // fully masked row: out 0 (already), lse -inf (or the sink's), no gradient
+          lse = sink;
           continue;
         }
-        double sum = 0;
+        double sum = std::exp(sink - m);
         for (int64_t j = 0; j < c.S; ++j) sum += std::exp(s[j] - m);
         lse = m + std::log(sum);
         for (int64_t j = 0; j < c.S; ++j) p[j] = std::exp(s[j] - lse);
@@ -153,8 +167,9 @@ Reference reference(const Case& c, const AttnConfig<T>& cfg, const Layout& lq, c
           dp[j] = g * keep[j];
           delta += p[j] * dp[j];
         }
+        if (c.sinks) R.dsinks[h] -= std::exp(sink - lse) * delta;  // the sink's p times (0 - delta)
         for (int64_t j = 0; j < c.S; ++j) {
-          const double ds = double(cfg.scale) * p[j] * (dp[j] - delta);
+          const double ds = double(cfg.scale) * p[j] * (dp[j] - delta) * dcap[j];
           for (int64_t d = 0; d < c.D; ++d) {
             R.dq[lq.at(n, h, i, d)] += ds * double(k[lk.at(n, hk, j, d)]);
             R.dk[lk.at(n, hk, j, d)] += ds * double(q[lq.at(n, h, i, d)]);
@@ -179,6 +194,14 @@ void test_sdpa(const Case& c) {
   cfg.causal = c.causal;
   cfg.dropout_p = c.dropout_p;
   cfg.seed = 12345;
+  cfg.window_left = c.window_left, cfg.window_right = c.window_right, cfg.softcap = T(c.softcap);
+  std::vector<T> slopes, sinks;
+  for (int64_t h = 0; h < c.Hq; ++h) {
+    slopes.push_back(T(std::ldexp(1.0, int(-1 - h))));
+    sinks.push_back(T(0.5 - (h % 2) + h));
+  }
+  if (c.alibi) cfg.alibi = slopes.data();
+  if (c.sinks) cfg.sinks = sinks.data();
   std::vector<T> full, pad;
   std::vector<int64_t> full_offset, pad_offset;
   if (c.masks) {
@@ -190,15 +213,16 @@ void test_sdpa(const Case& c) {
 
   // The kernels' results at a given thread count (the OpenMP path and the plain loop must agree bitwise).
   struct Got {
-    std::vector<T> out, lse, dq, dk, dv;
+    std::vector<T> out, lse, dq, dk, dv, dsinks;
   };
   const auto run = [&](int threads) {
     set_thread_count(threads);
-    Got g{std::vector<T>(lo.size()), std::vector<T>(size_t(c.N * c.Hq * c.L)), dq0, dk0, dv0};
+    Got g{std::vector<T>(lo.size()), std::vector<T>(size_t(c.N * c.Hq * c.L)), dq0, dk0, dv0,
+          std::vector<T>(size_t(c.Hq))};
     const auto& K = table<T>();
     K.sdpa_forward(lo.view(g.out.data()), g.lse.data(), lq.view(q.data()), lk.view(k.data()), lv.view(v.data()),
                    cfg);
-    K.sdpa_backward(lq.view(g.dq.data()), lk.view(g.dk.data()), lv.view(g.dv.data()), nullptr, lo.view(dout.data()),
+    K.sdpa_backward(lq.view(g.dq.data()), lk.view(g.dk.data()), lv.view(g.dv.data()), g.dsinks.data(), lo.view(dout.data()),
                     lo.view<const T>(g.out.data()), g.lse.data(), lq.view(q.data()), lk.view(k.data()),
                     lv.view(v.data()), cfg);
     return g;
@@ -211,9 +235,11 @@ void test_sdpa(const Case& c) {
   check(tag + "dq", g.dq, R.dq);
   check(tag + "dk", g.dk, R.dk);
   check(tag + "dv", g.dv, R.dv);
+  if (c.sinks) check(tag + "dsinks", g.dsinks, R.dsinks);
   const Got one = run(1);
   check_true(tag + "1 thread == " + std::to_string(std::max(2, omp_get_max_threads())) + " threads, bitwise",
-             one.out == g.out && one.lse == g.lse && one.dq == g.dq && one.dk == g.dk && one.dv == g.dv);
+             one.out == g.out && one.lse == g.lse && one.dq == g.dq && one.dk == g.dk && one.dv == g.dv &&
+                 one.dsinks == g.dsinks);
 }
 
 // --------------------------------------------------------------------------------------------------- linear
@@ -263,6 +289,16 @@ void test_all() {
       {"float masks, masked row",      2, 4, 2, 70, 133, 24, 40, Causal::none, true},
       {"dropout 0.3 causal masks",     2, 4, 2, 70, 133, 24, 40, Causal::top_left, true, 0.3},
       {"tiny L=S=D=Dv=1",              1, 1, 1, 1, 1, 1, 1},
+      // the variants (issue 14): name    N  Hq Hk  L    S    D   Dv  causal       masks drop  interl. window
+      {"causal window 40",             1, 2, 1, 300, 300, 16, 8, Causal::top_left, false, 0, false, 40, 0},
+      {"window (7, 3) L<S GQA",        2, 4, 2, 70, 133, 24, 40, Causal::none, false, 0, false, 7, 3},
+      {"window L>S, masks, dropout",   2, 4, 2, 150, 70, 8, 12, Causal::none, true, 0.3, false, 20, -1},
+      {"softcap alibi sinks causal",   2, 4, 2, 70, 133, 24, 40, Causal::bottom_right, false, 0, false, -1, -1, 2.0,
+       true, true},
+      {"decode L=1 GQA sinks window",  3, 8, 2, 1, 300, 16, 16, Causal::bottom_right, false, 0, false, 100, -1, 0,
+       true, true},
+      {"all of them, dropout, masks",  2, 4, 2, 70, 133, 24, 40, Causal::none, true, 0.2, true, 30, 5, 5.0, true,
+       true},
   };
   for (const auto& c : cases) test_sdpa<T>(c);
   test_linear<T>(37, 50, 3, true, true);    // narrow output: dot products
