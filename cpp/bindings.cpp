@@ -411,6 +411,37 @@ std::vector<int64_t> indices(const py::array& a, const char* name, int64_t size,
   return idx;
 }
 
+// Rotary embedding forward into dst = out, or backward (the opposite angles) added into dst = grad_input, from
+// src (N, H, L, D), cos, sin (P, R2), position_offsets (N,): ValueError unless every table row read,
+// position_offsets[n] + l for l < L, lies in [0, P) and 2 * R2 <= D.
+template <typename T>
+void rotary_t(const py::array& dst, const py::array& src, const py::array& cos, const py::array& sin,
+              const py::array& offsets, bool interleaved, bool backward) {
+  const char* dst_name = backward ? "grad_input" : "out";
+  const char* src_name = backward ? "grad_output" : "input";
+  const auto sv = view4<T, const T>(src, src_name, false);
+  const int64_t N = src.shape(0), H = src.shape(1), L = src.shape(2), D = src.shape(3);
+  expect_shape(dst, dst_name, {N, H, L, D});
+  expect_ndim(cos, "cos", 2);
+  const int64_t P = cos.shape(0), R2 = cos.shape(1);
+  expect_shape(sin, "sin", {P, R2});
+  if (R2 > D / 2)
+    throw py::value_error("cos: rotary_dim 2 * " + std::to_string(R2) + " exceeds the head width D = " +
+                          std::to_string(D));
+  expect_shape(offsets, "position_offsets", {N});
+  const auto off = int64_copy(offsets, "position_offsets");  // (a copy: read with the GIL released)
+  if (H > 0 && L > 0)
+    for (int64_t n = 0; n < N; ++n)
+      if (off[n] < 0 || off[n] > P - L)
+        throw py::value_error("position_offsets: offset " + std::to_string(off[n]) + " of sequence " +
+                              std::to_string(n) + " with L = " + std::to_string(L) +
+                              " reads rows outside the P = " + std::to_string(P) + " rows of cos and sin");
+  const T *c = contiguous_ptr<T>(cos, "cos", false), *s = contiguous_ptr<T>(sin, "sin", false);
+  const auto dv = view4<T, T>(dst, dst_name, true);
+  const auto kernel = backward ? kernels<T>().rotary_backward : kernels<T>().rotary_forward;
+  py::gil_scoped_release release;
+  kernel(dv, sv, c, s, off.data(), N, H, L, D, R2, interleaved);
+}
 
 }  // namespace
 
@@ -601,6 +632,32 @@ PYBIND11_MODULE(_core, m) {
       },
       "Dropout backward: adds into grad_input from grad_output (same size), by the mask of the same p and seed.",
       py::arg("grad_input"), py::arg("grad_output"), py::arg("p"), py::arg("seed"));
+  m.def(
+      "rotary_forward",
+      [](const py::array& out, const py::array& x, const py::array& cos, const py::array& sin,
+         const py::array& offsets, bool interleaved) {
+        dispatch(x, "input", [&](auto t) {
+          rotary_t<typename decltype(t)::type>(out, x, cos, sin, offsets, interleaved, false);
+        });
+      },
+      "Rotary position embedding of input (N, H, L, D) into out (N, H, L, D): the first R = 2 * R2 features of "
+      "row l of sequence n rotated by the angles of row position_offsets[n] + l of cos and sin (P, R2, "
+      "C-contiguous), pairs (d, d + R2), or (2d, 2d + 1) when interleaved; the features R.. copied. "
+      "position_offsets: (N,) int64, each in [0, P - L].",
+      py::arg("out"), py::arg("input"), py::arg("cos"), py::arg("sin"), py::arg("position_offsets"),
+      py::arg("interleaved"));
+  m.def(
+      "rotary_backward",
+      [](const py::array& dx, const py::array& dout, const py::array& cos, const py::array& sin,
+         const py::array& offsets, bool interleaved) {
+        dispatch(dout, "grad_output", [&](auto t) {
+          rotary_t<typename decltype(t)::type>(dx, dout, cos, sin, offsets, interleaved, true);
+        });
+      },
+      "Rotary embedding backward: adds into grad_input (N, H, L, D) grad_output (N, H, L, D) rotated by the "
+      "opposite angles (sin -> -sin), its features R.. as they are; the other arguments as rotary_forward's.",
+      py::arg("grad_input"), py::arg("grad_output"), py::arg("cos"), py::arg("sin"), py::arg("position_offsets"),
+      py::arg("interleaved"));
   m.def(
       "embedding_forward",
       [](const py::array& out, const py::array& index, const py::array& weight) {

@@ -3,6 +3,7 @@
 
 #include "attention.hpp"
 #include "linear.hpp"
+#include "rotary.hpp"
 #include "training.hpp"
 
 namespace attnpp::ATTNPP_CPU_NS {
@@ -13,7 +14,8 @@ constexpr Kernels<T> table() {
   return {&sdpa_forward<T>,    &sdpa_backward<T>,      &sdpa_weights<T>,           &linear_forward<T>,
           &linear_backward<T>, &dropout_forward<T>,    &dropout_backward<T>,       &embedding_forward<T>,
           &embedding_backward<T>, &cross_entropy_forward<T>, &cross_entropy_backward<T>, &sgd_step<T>,
-          &adamw_step<T>};
+          &adamw_step<T>,
+          &rotary_forward<T>, &rotary_backward<T>};
 }
 
 }  // namespace

@@ -4,7 +4,7 @@
 // default alone elsewhere), each into its own namespace (attnpp::cpu_avx2, ...), and kernels.cpp gathers each
 // level's entry points into its `kernels` table. dispatch.cpp picks one table at import; the bindings call
 // through it. What the kernels compute is documented where they are declared (attention.hpp, linear.hpp,
-// training.hpp).
+// training.hpp, rotary.hpp).
 #pragma once
 
 #include <string>
@@ -38,6 +38,12 @@ struct Kernels {
                    double dampening, double weight_decay, bool nesterov, bool first);
   void (*adamw_step)(T* param, const T* grad, T* exp_avg, T* exp_avg_sq, int64_t n, double lr, double beta1,
                      double beta2, double eps, double weight_decay, int64_t step);
+  void (*rotary_forward)(const View4<T>& out, const View4<const T>& x, const T* cos, const T* sin,
+                         const int64_t* offsets, int64_t N, int64_t H, int64_t L, int64_t D, int64_t R2,
+                         bool interleaved);
+  void (*rotary_backward)(const View4<T>& dx, const View4<const T>& dout, const T* cos, const T* sin,
+                          const int64_t* offsets, int64_t N, int64_t H, int64_t L, int64_t D, int64_t R2,
+                          bool interleaved);
 };
 
 // One level's kernels for both dtypes.

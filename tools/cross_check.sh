@@ -55,7 +55,7 @@ eigen=$(eigen_dir) || { "$PY" -m pip install -q cmeel-eigen && eigen=$(eigen_dir
 # the test defines thread_count() itself (dispatch.cpp's level table needs the default level linked in too).
 # buffer_pool.cpp: the packed operands of the products come from it.
 sources=(tests/cpp/test_kernels.cpp cpp/attention.cpp cpp/linear.cpp cpp/dropout.cpp cpp/embedding.cpp
-         cpp/cross_entropy.cpp cpp/optim.cpp cpp/kernels.cpp cpp/buffer_pool.cpp)
+         cpp/cross_entropy.cpp cpp/optim.cpp cpp/rotary.cpp cpp/kernels.cpp cpp/buffer_pool.cpp)
 flags=(-O3 -fno-math-errno -fopenmp -std=c++17 -DEIGEN_GEMM_TO_COEFFBASED_THRESHOLD=0 -Icpp -I"$eigen")
 declare -A pid
 build() {  # build NAME COMPILER FLAGS...: the binary $work/NAME, its compiler output in $work/NAME.build.log

@@ -49,6 +49,7 @@ FUNCTIONS = {  # name: relative frequency
     "empty": 1, "empty_cache": 0.3, "dropout_mask": 1, "dropout_forward": 1, "dropout_backward": 1,
     "embedding_forward": 1, "embedding_backward": 1, "cross_entropy_forward": 1.2, "cross_entropy_backward": 1.2,
     "sgd_step": 1, "adamw_step": 1, "set_num_threads": 0.5, "get_num_threads": 0.2,
+    "rotary_forward": 1, "rotary_backward": 1,
 }
 ALLOWED = (TypeError, ValueError, IndexError, MemoryError, OverflowError)
 F32, F64 = np.dtype(np.float32), np.dtype(np.float64)
@@ -855,6 +856,52 @@ def gen_optim(rng, call, which):
                     ("wrong_result", check_close("param", lambda: param.view.ravel(), ref, dt))]
 
 
+def rotary_ref(x, cos, sin, offsets, interleaved):
+    """RoPE of x (N, H, L, D) in float64 by the angles of rows offsets[n] + l of cos, sin (P, R2)."""
+    N, H, L, D = x.shape
+    R2 = cos.shape[1]
+    out = x.astype(np.float64).copy()
+    pos = np.asarray(offsets, np.int64)[:, None] + np.arange(L)[None, :]       # (N, L)
+    c = cos.astype(np.float64)[pos][:, None]                                    # (N, 1, L, R2)
+    s = sin.astype(np.float64)[pos][:, None]
+    ia = np.arange(R2) * 2 if interleaved else np.arange(R2)
+    ib = ia + 1 if interleaved else ia + R2
+    a, b = x[..., ia].astype(np.float64), x[..., ib].astype(np.float64)
+    out[..., ia], out[..., ib] = a * c - b * s, b * c + a * s
+    return out
+
+
+def gen_rotary(rng, call, backward):
+    dt = float_dtype(rng)
+    N, H = pick(rng, [0, 1, 1, 2, 3]), pick(rng, [0, 1, 2, 3, 3])
+    L = small(rng, 0, 9, 0.1, (60, 300))
+    D = small(rng, 0, 12, 0.3, (32, 130))
+    R2 = int(rng.integers(0, D // 2 + 1))
+    P = L + pick(rng, [0, 0, 1, 5, 40])
+    while N * H * L * D > 300_000:
+        L //= 2
+    offsets = rng.integers(0, P - L + 1, N).astype(np.int64)
+    if N and chance(rng, 0.3):  # the extremes of the valid range
+        offsets[int(rng.integers(N))] = pick(rng, [0, P - L])
+    shape = (N, H, L, D)
+    x = mk_in(rng, randn(rng, shape, dt), layout_strided(rng, shape, allow_zero=True))
+    cos, sin = (mk_in(rng, randn(rng, (P, R2), dt)) for _ in range(2))
+    dst = mk_out(rng, randn(rng, shape, dt), layout_strided(rng, shape))  # (garbage: every element written)
+    interleaved = chance(rng, 0.5)
+    call.add("grad_input" if backward else "out", "arr", dst)
+    call.add("grad_output" if backward else "input", "arr", x)
+    call.add("cos", "arr", cos), call.add("sin", "arr", sin)
+    call.add("position_offsets", "index", mk_in(rng, offsets), size=P - L + 1)
+    call.add("interleaved", "bool", interleaved)
+    if backward:  # the opposite angles, added into grad_input
+        ref = dst.values.astype(np.float64) + rotary_ref(x.values, cos.values, -sin.values, offsets, interleaved)
+    else:
+        ref = rotary_ref(x.values, cos.values, sin.values, offsets, interleaved)
+    name = "grad_input" if backward else "out"
+    call.checks += [("nonfinite", check_finite(name, lambda: dst.view)),
+                    ("wrong_result", check_close(name, lambda: dst.view, ref, dt))]
+
+
 def generate(seed, index, functions, no_huge=False):
     rng = np.random.default_rng([seed, index])
     names = sorted(functions)
@@ -878,6 +925,8 @@ def generate(seed, index, functions, no_huge=False):
         gen_cross_entropy(rng, call, fn == "cross_entropy_backward")
     elif fn in ("sgd_step", "adamw_step"):
         gen_optim(rng, call, fn[:-5])
+    elif fn.startswith("rotary_"):
+        gen_rotary(rng, call, fn == "rotary_backward")
     elif fn == "set_num_threads":
         call.add("n", "threads", pick(rng, [1, 2, 3, 4, 8]))
     elif fn == "get_num_threads":

@@ -136,6 +136,28 @@ def dropout_forward(out: _FloatArray, input: _FloatArray, p: float, seed: int) -
 def dropout_backward(grad_input: _FloatArray, grad_output: _FloatArray, p: float, seed: int) -> None:
     """Dropout backward: adds into grad_input from grad_output (same size), by the mask of the same p and seed."""
 
+def rotary_forward(
+    out: _FloatArray,
+    input: _FloatArray,
+    cos: _FloatArray,
+    sin: _FloatArray,
+    position_offsets: _IndexArray,
+    interleaved: bool,
+) -> None:
+    """Rotary position embedding of input (N, H, L, D) into out (N, H, L, D): the first R = 2 * R2 features of row l
+    of sequence n rotated by the angles of row position_offsets[n] + l of cos and sin (P, R2); pairs (d, d + R2), or
+    (2d, 2d + 1) when interleaved; the features R.. copied. position_offsets (N,), each in [0, P - L]."""
+
+def rotary_backward(
+    grad_input: _FloatArray,
+    grad_output: _FloatArray,
+    cos: _FloatArray,
+    sin: _FloatArray,
+    position_offsets: _IndexArray,
+    interleaved: bool,
+) -> None:
+    """Rotary embedding backward: adds into grad_input (N, H, L, D) grad_output rotated by the opposite angles."""
+
 def embedding_forward(out: _FloatArray, index: _IndexArray, weight: _FloatArray) -> None:
     """out (N, E) = weight (V, E)[index], index: N int64 values in [0, V)."""
 

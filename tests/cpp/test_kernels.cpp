@@ -1,6 +1,7 @@
 // Standalone test of ONE CPU level's kernels (the namespace attnpp::ATTNPP_CPU_NS, through its table `kernels`)
 // against naive references in double: sdpa forward (out, logsumexp) and backward (dq, dk, dv), linear forward
-// and backward, float32 and float64. No Python, no framework: one line per check, then "N passed, N failed".
+// and backward, rotary embedding forward and backward, float32 and float64. No Python, no framework: one line per
+// check, then "N passed, N failed".
 // Built and run per level (natively, and under qemu for aarch64 and an old x86-64) by tools/cross_check.sh, e.g.
 //   g++ -O3 -fno-math-errno -fopenmp -std=c++17 -march=x86-64-v3 -DATTNPP_CPU_NS=cpu_avx2
 //       -DEIGEN_GEMM_TO_COEFFBASED_THRESHOLD=0 -Icpp -I<eigen3> tests/cpp/test_kernels.cpp cpp/{attention,...}.cpp
@@ -276,6 +277,49 @@ void test_linear(int64_t M, int64_t Fin, int64_t Fout, bool bias, bool need_dx) 
   else check_true(std::string(tag) + "db=nullptr left alone", db == db0);
 }
 
+// --------------------------------------------------------------------------------------------------- rotary
+// x (N, H, L, D) laid out (N, L, H, D) when `strided` (the heads of a projection's output), cos, sin (P, R2),
+// offsets (N): forward, backward (added into a nonzero dx), and the forward in place (out = x).
+template <typename T>
+void test_rotary(int64_t N, int64_t H, int64_t L, int64_t D, int64_t R2, bool interleaved, bool strided) {
+  const int64_t P = L + 9;
+  const Layout lay{N, H, L, D, strided};
+  const auto x = uniform<T>(lay.size(), 21), dout = uniform<T>(lay.size(), 22);
+  const auto cos = uniform<T>(size_t(P * R2), 23), sin = uniform<T>(size_t(P * R2), 24);
+  std::vector<int64_t> offsets(static_cast<size_t>(N));
+  for (int64_t n = 0; n < N; ++n) offsets[n] = (n * 5) % 10;  // 0, 5, 0, ...: up to P - L
+  auto dx = uniform<T>(lay.size(), 25);
+  std::vector<double> out_ref = widen(x), dx_ref = widen(dx);
+  for (int64_t n = 0; n < N; ++n)
+    for (int64_t h = 0; h < H; ++h)
+      for (int64_t l = 0; l < L; ++l) {
+        const int64_t p = offsets[n] + l;
+        for (int64_t d = 0; d < 2 * R2; ++d) out_ref[lay.at(n, h, l, d)] = dx_ref[lay.at(n, h, l, d)] = 0;
+        for (int64_t d = 0; d < R2; ++d) {
+          const size_t a = lay.at(n, h, l, interleaved ? 2 * d : d);
+          const size_t b = lay.at(n, h, l, interleaved ? 2 * d + 1 : d + R2);
+          const double c = cos[p * R2 + d], s = sin[p * R2 + d];
+          out_ref[a] = x[a] * c - x[b] * s, out_ref[b] = x[b] * c + x[a] * s;
+          dx_ref[a] = dx[a] + dout[a] * c + dout[b] * s, dx_ref[b] = dx[b] + dout[b] * c - dout[a] * s;
+        }
+        for (int64_t d = 2 * R2; d < D; ++d) dx_ref[lay.at(n, h, l, d)] += dout[lay.at(n, h, l, d)];
+      }
+  std::vector<T> out(lay.size()), inplace = x;
+  table<T>().rotary_forward(lay.view(out.data()), lay.view(x.data()), cos.data(), sin.data(), offsets.data(), N, H, L,
+                            D, R2, interleaved);
+  table<T>().rotary_backward(lay.view(dx.data()), lay.view(dout.data()), cos.data(), sin.data(), offsets.data(), N, H,
+                             L, D, R2, interleaved);
+  table<T>().rotary_forward(lay.view(inplace.data()), lay.view<const T>(inplace.data()), cos.data(), sin.data(),
+                            offsets.data(), N, H, L, D, R2, interleaved);
+  char tag[96];
+  std::snprintf(tag, sizeof tag, "rotary N=%lld H=%lld L=%lld D=%lld R=%lld%s%s %s ", (long long)N, (long long)H,
+                (long long)L, (long long)D, (long long)(2 * R2), interleaved ? " interleaved" : "",
+                strided ? " strided" : "", dtype_name<T>());
+  check(std::string(tag) + "out", out, out_ref);
+  check(std::string(tag) + "dx", dx, dx_ref);
+  check_true(std::string(tag) + "in place == out of place, bitwise", inplace == out);
+}
+
 template <typename T>
 void test_all() {
   const Case cases[] = {
@@ -305,6 +349,10 @@ void test_all() {
   test_linear<T>(37, 3, 50, true, true);    // narrow input: the backward's transposed path
   test_linear<T>(130, 70, 90, true, true);  // wide: the tiled gemm
   test_linear<T>(130, 70, 90, false, false);
+  test_rotary<T>(3, 4, 37, 64, 32, false, false);  // R = D, half-split
+  test_rotary<T>(3, 4, 37, 64, 32, true, true);    // R = D, interleaved, strided
+  test_rotary<T>(2, 3, 300, 80, 16, false, true);  // R < D, enough rows for the threads
+  test_rotary<T>(2, 3, 11, 13, 5, true, false);    // R < D, D odd
 }
 
 int main() {
