@@ -6,41 +6,9 @@ import torch
 import attnpp
 import attnpp.functional as AF
 from conftest import assert_close
+from helpers import attention_layer_reference as torch_reference
 
 DTYPES = [np.float64, np.float32]
-
-
-def torch_reference(layer, x, context, kpm, keep_attn=None, keep_out=None, dtype=None):
-    """attnpp.nn.Attention's math in PyTorch from the layer's own weights, computed in ``dtype`` (default
-    theirs): projections, heads, causal mask, bool or float key_padding_mask, softmax (_safe_softmax: fully
-    masked rows give 0, as PyTorch's scaled_dot_product_attention), dropout replayed, output projection."""
-    def T(x, grad=False, dtype=None):
-        t = torch.tensor(np.ascontiguousarray(x))
-        t = t.to(dtype) if dtype is not None and t.is_floating_point() else t
-        return t.requires_grad_() if grad else t
-
-    P = {n: T(p.data, True, dtype) for n, p in layer.named_parameters()}
-    lin = lambda t, name: torch.nn.functional.linear(t, P[name + ".weight"], P.get(name + ".bias"))
-    H = layer.num_heads
-    q, k, v = lin(x, "q_proj"), lin(context, "k_proj"), lin(context, "v_proj")
-    split = lambda t: t.reshape(t.shape[0], t.shape[1], H, -1).transpose(1, 2)   # (B, H, T, d)
-    scores = split(q) @ split(k).transpose(-1, -2) * layer.scale                  # (B, H, L, S)
-    L, S = scores.shape[-2:]
-    if layer.causal:
-        offset = S - L if layer.causal_alignment == "bottom_right" else 0
-        scores = scores.masked_fill(torch.ones(L, S, dtype=torch.bool).triu(1 + offset), -torch.inf)
-    if kpm is not None:
-        kpm = T(kpm, dtype=dtype)[:, None, None, :]
-        scores = scores.masked_fill(kpm, -torch.inf) if kpm.dtype == torch.bool else scores + kpm
-    w = torch.ops.aten._safe_softmax(scores, -1)
-    if keep_attn is not None:
-        w = w * T(keep_attn, dtype=dtype) / (1 - layer.attn_dropout)
-    out = (w @ split(v)).transpose(1, 2).flatten(-2)
-    if layer.out_proj is not None:
-        out = lin(out, "out_proj")
-    if keep_out is not None:
-        out = out * T(keep_out, dtype=dtype) / (1 - layer.out_drop.p)
-    return out, w, P
 
 
 CONFIGS = [

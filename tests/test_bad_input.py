@@ -13,7 +13,7 @@ import pytest
 
 import attnpp
 import attnpp.functional as AF
-from attnpp.nn import Attention, CrossEntropyLoss, Dropout, Embedding, Linear, MultiheadAttention
+from attnpp.nn import Attention, CrossEntropyLoss, Dropout, Embedding, KVCache, Linear, MultiheadAttention
 from attnpp.optim import SGD, AdamW
 
 
@@ -691,6 +691,38 @@ LAYER_INIT_BAD = [
     ("attention_causal_alignment", lambda: Attention(6, causal=True, causal_alignment="diagonal"), ValueError,
      ["causal_alignment", "'diagonal'"]),
     ("attention_dtype_int", lambda: Attention(6, dtype=np.int64), TypeError, ["dtype", "int64"]),
+    ("attention_window_int", lambda: Attention(6, window=3), TypeError, ["window", "(left, right)", "3"]),
+    ("attention_window_side", lambda: Attention(6, window=(1, -2)), ValueError, ["window[1]", ">= -1", "-2"]),
+    ("attention_window_float", lambda: Attention(6, window=(1.5, 0)), TypeError, ["window[0]", "int", "float"]),
+    ("attention_alibi_shape", lambda: Attention(6, 2, alibi=np.ones(3)), ValueError, ["alibi", "(2,)", "(3,)"]),
+    ("attention_alibi_int", lambda: Attention(6, 2, alibi=np.ones(2, np.int64)), TypeError, ["alibi", "int64"]),
+    ("attention_alibi_str", lambda: Attention(6, 2, alibi="yes"), TypeError, ["alibi", "bool", "str"]),
+    ("attention_alibi_nan", lambda: Attention(6, 2, alibi=np.array([1.0, np.nan])), ValueError,
+     ["alibi", "finite"]),
+    ("attention_softcap_negative", lambda: Attention(6, softcap=-1.0), ValueError, ["softcap", "-1.0"]),
+    ("attention_softcap_str", lambda: Attention(6, softcap="1"), TypeError, ["softcap", "str"]),
+    ("attention_sinks_int", lambda: Attention(6, sinks=1), TypeError, ["sinks", "bool", "int"]),
+    ("attention_rotary_str", lambda: Attention(8, 2, rotary="yes"), TypeError, ["rotary", "bool", "str"]),
+    ("attention_rotary_odd_head", lambda: Attention(6, 2, rotary=True), ValueError,
+     ["rotary=True", "head width", "3", "odd", "rotary_dim"]),
+    ("attention_rotary_dim_odd", lambda: Attention(8, 2, rotary=True, rotary_dim=3), ValueError,
+     ["rotary_dim", "even", "3"]),
+    ("attention_rotary_dim_above_head", lambda: Attention(8, 2, rotary=True, rotary_dim=6), ValueError,
+     ["rotary_dim", "head width", "4", "6"]),
+    ("attention_rotary_dim_zero", lambda: Attention(8, 2, rotary=True, rotary_dim=0), ValueError,
+     ["rotary_dim", ">= 2", "0"]),
+    ("attention_rotary_dim_float", lambda: Attention(8, 2, rotary=True, rotary_dim=2.0), TypeError,
+     ["rotary_dim", "int", "float"]),
+    ("attention_rotary_dim_without_rotary", lambda: Attention(8, 2, rotary_dim=2), ValueError,
+     ["rotary_dim", "rotary=True"]),
+    ("attention_rotary_interleaved_without_rotary", lambda: Attention(8, 2, rotary_interleaved=True), ValueError,
+     ["rotary_interleaved", "rotary=True"]),
+    ("attention_rotary_base_zero", lambda: Attention(8, 2, rotary=True, rotary_base=0.0), ValueError,
+     ["rotary_base", "> 0", "0.0"]),
+    ("attention_rotary_base_str", lambda: Attention(8, 2, rotary=True, rotary_base="1e4"), TypeError,
+     ["rotary_base", "float", "str"]),
+    ("attention_rotary_interleaved_int", lambda: Attention(8, 2, rotary=True, rotary_interleaved=1), TypeError,
+     ["rotary_interleaved", "bool", "int"]),
 ]
 
 
@@ -1508,6 +1540,14 @@ def _att_forward_backward(layer):
 
 
 CROSS = dict(kv_dim=5)
+CAUSAL = dict(causal=True)
+
+
+def _filled_cache(layer, n):
+    """A KV cache of ``layer`` (max_length 4) already holding n tokens per sequence."""
+    cache = layer.init_kv_cache(2, 4)
+    cache.lengths[:] = n
+    return cache
 HEADS_Q, HEADS_KV = [randn(6, 3, seed=93)] * 2, [randn(5, 3, seed=94)] * 2  # (in, d) per head, kv_dim=5
 
 # id, layer config, setup, failing call, exception, words
@@ -1652,6 +1692,38 @@ ATTENTION_BAD = [
     ("load_state_dict_none", {}, None, lambda a: a.load_state_dict(None), TypeError,
           ["state_dict", "NoneType"]),
     ("memory_broadcast_batch", {}, _att_forward, lambda a: a(_big((HUGE, 3, 6), AX[0])), MemoryError, []),
+    ("kv_cache_not_causal", {}, None, lambda a: a(AX, kv_cache=KVCache(2, 2, 4, 3, dtype=np.float64)), ValueError,
+     ["kv_cache", "causal=True", "causal=False"]),
+    ("kv_cache_cross", dict(causal=True, **CROSS), None, lambda a: a(AX, kv_cache=KVCache(2, 2, 4, 3)),
+     ValueError, ["kv_cache", "self-attention", "kv_dim=5"]),
+    ("kv_cache_context", CAUSAL, None, lambda a: a(AX, AX, kv_cache=a.init_kv_cache(2, 4)), ValueError,
+     ["kv_cache", "context", "None"]),
+    ("kv_cache_key_padding_mask", CAUSAL, None,
+     lambda a: a(AX, key_padding_mask=np.zeros((2, 3), bool), kv_cache=a.init_kv_cache(2, 4)), ValueError,
+     ["kv_cache", "key_padding_mask"]),
+    ("kv_cache_need_weights", CAUSAL, None, lambda a: a(AX, need_weights=True, kv_cache=a.init_kv_cache(2, 4)),
+     ValueError, ["kv_cache", "need_weights"]),
+    ("kv_cache_dropout", dict(causal=True, attn_dropout=0.2), None, lambda a: a(AX, kv_cache=a.init_kv_cache(2, 4)),
+     ValueError, ["kv_cache", "dropout", "training", "eval()"]),
+    ("kv_cache_type", CAUSAL, None, lambda a: a(AX, kv_cache={}), TypeError, ["kv_cache", "KVCache", "dict"]),
+    ("kv_cache_batch", CAUSAL, None, lambda a: a(AX, kv_cache=a.init_kv_cache(3, 4)), ValueError,
+     ["x", "(3, L_new, 6)", "(2, 3, 6)"]),
+    ("kv_cache_unbatched_x", CAUSAL, None, lambda a: a(AX[0], kv_cache=a.init_kv_cache(2, 4)), ValueError,
+     ["x", "3", "(3, 6)"]),
+    ("kv_cache_x_float32", CAUSAL, None, lambda a: a(AX.astype(np.float32), kv_cache=a.init_kv_cache(2, 4)),
+     TypeError, ["x", "float32", "float64"]),
+    ("kv_cache_dtype", CAUSAL, None, lambda a: a(AX, kv_cache=KVCache(2, 2, 4, 3)), ValueError,
+     ["kv_cache", "float64", "float32", "init_kv_cache"]),
+    ("kv_cache_heads", CAUSAL, None, lambda a: a(AX, kv_cache=KVCache(2, 3, 4, 2, dtype=np.float64)), ValueError,
+     ["kv_cache", "(2, 2, 4, 3)", "(2, 3, 4, 2)"]),
+    ("kv_cache_full", CAUSAL, None, lambda a: a(AX, kv_cache=_filled_cache(a, 2)), ValueError,
+     ["kv_cache", "no room for 3 more tokens", "[2, 2]", "max_length=4"]),
+    ("init_kv_cache_too_long", CAUSAL, None, lambda a: a.init_kv_cache(2, 5), ValueError,
+     ["max_length=5", "context_length=4"]),
+    ("init_kv_cache_not_causal", {}, None, lambda a: a.init_kv_cache(2, 4), ValueError, ["causal=True"]),
+    ("init_kv_cache_batch_zero", CAUSAL, None, lambda a: a.init_kv_cache(0, 4), ValueError, ["batch_size", "0"]),
+    ("init_kv_cache_max_length_str", CAUSAL, None, lambda a: a.init_kv_cache(2, "4"), TypeError,
+     ["max_length", "int", "str"]),
 ]
 
 

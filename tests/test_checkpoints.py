@@ -20,6 +20,8 @@ LAYERS = {
                                                       add_zero_attn=True),
     "attention": lambda: nn.Attention(4, 2, causal=True, attn_dropout=0.2, out_dropout=0.1, dtype=np.float64),
     "attention_cross": lambda: nn.Attention(4, 2, kv_dim=3, out_proj=False, dtype=np.float64),
+    "attention_variants": lambda: nn.Attention(4, 2, causal=True, window=(1, 0), alibi=True, softcap=3.0,
+                                               sinks=True, rotary=True, attn_dropout=0.2, dtype=np.float64),
     "dropout": lambda: nn.Dropout(0.3),
     "cross_entropy": lambda: nn.CrossEntropyLoss(ignore_index=1),
 }

@@ -43,7 +43,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 import attnpp
 import attnpp.functional as AF
 from conftest import HYPOTHESIS_EXAMPLES, LARGEST, TOL, assert_close, examples, max_rel_err
-from test_attention_layer import torch_reference as torch_attention  # nn.Attention's math in PyTorch
+from helpers import attention_layer_reference as torch_attention  # nn.Attention's math in PyTorch
 
 DTYPES = [np.float64, np.float32]
 TORCH = {np.dtype(np.float64): torch.float64, np.dtype(np.float32): torch.float32}

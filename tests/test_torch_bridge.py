@@ -15,6 +15,7 @@ from torch.func import functional_call
 import attnpp.functional as AF
 import attnpp.torch as at
 from conftest import max_rel_err
+from helpers import attention_layer_reference, reference
 
 TOL = {torch.float32: 1e-5, torch.float64: 1e-12}
 DTYPES = [torch.float32, torch.float64]
@@ -570,3 +571,163 @@ def test_attention_training_matches_reference(config):
     ours_losses = train(lambda x: m(x, **kw), m.parameters(), (x,), target)
     ref_losses = train(lambda x: attention_reference(ref, x, **kw)[0], ref.parameters(), (x,), target)
     assert_same_losses(ours_losses, ref_losses)
+
+
+# --------------------------------------------------------------------------------------- attention variants
+VARIANT_CASES = {
+    "window": dict(window=(2, 1)),
+    "causal_window": dict(is_causal=True, causal_alignment="bottom_right", window=(3, 0)),
+    "alibi": dict(alibi_slopes="heads"),
+    "alibi_per_batch": dict(alibi_slopes="batch"),
+    "softcap": dict(softcap=0.7),
+    "sinks": dict(sinks=True),
+    "all": dict(is_causal=True, window=(4, 0), alibi_slopes="heads", softcap=2.0, sinks=True),
+    "all_gqa_mask": dict(attn_mask="float", window=(-1, 2), alibi_slopes="heads", softcap=2.0, sinks=True,
+                         enable_gqa=True),
+}
+
+
+def variant_case(name, dtype):
+    """(query, key, value, kwargs for attnpp.torch, kwargs for helpers.reference) of a named case; the sinks a
+    leaf tensor requiring grad, the slopes a plain tensor."""
+    torch.manual_seed(5)
+    kw = dict(VARIANT_CASES[name])
+    Hk = 1 if kw.get("enable_gqa") else 3
+    q, k, v = randn(2, 3, 5, 4, dtype=dtype), randn(2, Hk, 7, 4, dtype=dtype), randn(2, Hk, 7, 6, dtype=dtype)
+    if kw.get("alibi_slopes") == "heads":
+        kw["alibi_slopes"] = torch.from_numpy(AF.get_alibi_slopes(3, np.float64))
+    elif kw.get("alibi_slopes") == "batch":
+        kw["alibi_slopes"] = torch.rand(2, 3, dtype=f64)
+    if kw.get("sinks"):
+        kw["sinks"] = randn(3, dtype=dtype)
+    if kw.get("attn_mask") == "float":
+        kw["attn_mask"] = torch.randn(5, 7, dtype=dtype)
+    ref = {n: v for n, v in kw.items() if n != "enable_gqa"}
+    return q, k, v, kw, ref
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("case", list(VARIANT_CASES))
+def test_sdpa_variants_match_reference(case, dtype):
+    """window, alibi_slopes, softcap and sinks: output and the gradients of query, key, value and sinks equal
+    those of the PyTorch reference written from the definitions (autograd through it)."""
+    q, k, v, kw, ref_kw = variant_case(case, dtype)
+    ours = at.scaled_dot_product_attention(q, k, v, **kw)
+    ref, _ = reference(q, k, v, **ref_kw)
+    inputs = [q, k, v] + ([kw["sinks"]] if "sinks" in kw else [])
+    assert_same_grads(ours, ref, inputs, inputs, ["query", "key", "value", "sinks"])
+
+
+@pytest.mark.parametrize("case", list(VARIANT_CASES))
+def test_sdpa_variants_gradcheck(case):
+    q, k, v, kw, _ = variant_case(case, f64)
+    sinks = kw.pop("sinks", None)
+    if sinks is None:
+        assert gradcheck(lambda q, k, v: at.scaled_dot_product_attention(q, k, v, **kw), (q, k, v))
+    else:
+        assert gradcheck(lambda q, k, v, s: at.scaled_dot_product_attention(q, k, v, sinks=s, **kw), (q, k, v, sinks))
+
+
+def test_sdpa_sinks_alone_get_their_gradient():
+    """Inputs that need no gradient, sinks that do: the backward runs for the sinks alone."""
+    q, k, v, kw, ref_kw = variant_case("sinks", f64)
+    q, k, v = q.detach(), k.detach(), v.detach()
+    grad_ours, = torch.autograd.grad(at.scaled_dot_product_attention(q, k, v, **kw).sum(), kw["sinks"])
+    grad_ref, = torch.autograd.grad(reference(q, k, v, **ref_kw)[0].sum(), kw["sinks"])
+    assert_close(grad_ours, grad_ref, "grad of sinks")
+
+
+def test_sdpa_variant_errors():
+    q = torch.randn(1, 2, 3, 4, dtype=f64)
+    with pytest.raises(TypeError, match="sinks: expected a torch.Tensor"):
+        at.scaled_dot_product_attention(q, q, q, sinks=np.zeros(2))
+    with pytest.raises(ValueError, match=r"sinks: expected shape \(Hq,\) = \(2,\)"):
+        at.scaled_dot_product_attention(q, q, q, sinks=torch.zeros(3, dtype=f64))
+    with pytest.raises(TypeError, match="sinks.*float64"):
+        at.scaled_dot_product_attention(q, q, q, sinks=torch.zeros(2))
+    with pytest.raises(ValueError, match="alibi_slopes"):
+        at.scaled_dot_product_attention(q, q, q, alibi_slopes=torch.zeros(3))
+    with pytest.raises(ValueError, match=r"window\[0\]"):
+        at.scaled_dot_product_attention(q, q, q, window=(-2, 0))
+    with pytest.raises(ValueError, match="softcap"):
+        at.scaled_dot_product_attention(q, q, q, softcap=-1.0)
+
+
+ATTENTION_VARIANTS = {
+    "window_alibi": dict(causal=True, window=(2, 0), alibi=True),
+    "softcap_sinks_cross": dict(kv_dim=5, softcap=1.5, sinks=True),
+    "rotary": dict(rotary=True),
+    "all": dict(causal=True, window=(3, 0), alibi=np.array([0.2, 0.9]), softcap=2.0, sinks=True, rotary=True,
+                rotary_dim=2, rotary_interleaved=True),
+}
+
+
+def attention_variant_case(config, dtype):
+    kwargs = ATTENTION_VARIANTS[config]
+    torch.manual_seed(6)
+    m = at.Attention(8, 2, **kwargs, dtype=dtype)
+    with torch.no_grad():
+        for p in m.parameters():
+            p.copy_(torch.randn_like(p) * 0.5)
+    x = randn(3, 5, 8, dtype=dtype)
+    context = randn(3, 7, 5, dtype=dtype) if "kv_dim" in kwargs else None
+    kpm = torch.zeros(3, 7 if context is not None else 5, dtype=torch.bool)
+    kpm[1, -2:] = True
+    return m, x, context, kpm
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("config", list(ATTENTION_VARIANTS))
+def test_attention_variants_match_reference(config, dtype):
+    """attnpp.torch.Attention with the variants: output, weights and the gradients of the inputs and of every
+    parameter (sinks included) equal the layer's math in PyTorch (helpers.attention_layer_reference)."""
+    m, x, context, kpm = attention_variant_case(config, dtype)
+    out, weights = m(x, context, key_padding_mask=kpm, need_weights=True)
+    g = torch.randn_like(out)
+    inputs = [x] + ([] if context is None else [context])
+    grads = torch.autograd.grad(out, inputs + list(m.parameters()), g)
+    rx = x.detach().clone().requires_grad_()
+    rc = rx if context is None else context.detach().clone().requires_grad_()
+    ref, ref_weights, P = attention_layer_reference(m, rx, rc, kpm.numpy())
+    assert_close(out, ref, "output")
+    assert_close(weights, ref_weights.detach(), "weights")
+    ref_grads = torch.autograd.grad(ref, [rx] + ([] if context is None else [rc]) + list(P.values()), g)
+    for name, a, b in zip(["x", "context"][:len(inputs)] + list(P), grads, ref_grads):
+        assert_close(a, b, f"grad of {name}")
+
+
+@pytest.mark.parametrize("config", list(ATTENTION_VARIANTS))
+def test_attention_variants_gradcheck(config):
+    m, x, context, kpm = attention_variant_case(config, f64)
+    names = [n for n, _ in m.named_parameters()]
+    assert ("sinks" in names) == bool(ATTENTION_VARIANTS[config].get("sinks"))
+    params = [p.detach().clone().requires_grad_() for p in m.parameters()]
+    inputs = (x,) + (() if context is None else (context,))
+
+    def f(x, *rest):
+        ctx, ps = (rest[0], rest[1:]) if context is not None else (None, rest)
+        return functional_call(m, dict(zip(names, ps)), (x, ctx), dict(key_padding_mask=kpm))
+    assert gradcheck(f, inputs + tuple(params))
+
+
+def test_attention_variants_equal_attnpp_nn_and_train_sinks():
+    """The same state dict (sinks included) in attnpp.torch.Attention and attnpp.nn.Attention gives the same
+    output and gradients; a torch optimizer trains the sinks."""
+    import attnpp.nn as ann
+    m, x, _, _ = attention_variant_case("all", f64)
+    layer = ann.Attention(8, 2, **ATTENTION_VARIANTS["all"], dtype=np.float64)
+    layer.load_state_dict(m.state_dict())
+    assert list(m.state_dict()) == list(layer.state_dict())
+    out = m(x)
+    g = torch.randn_like(out)
+    out.backward(g)
+    ours = layer(x.detach().numpy())
+    grad_x = layer.backward(g.numpy())
+    assert_close(torch.from_numpy(ours), out.detach(), "output")
+    assert_close(torch.from_numpy(grad_x), x.grad, "grad x")
+    for (name, p), (_, q) in zip(m.named_parameters(), layer.named_parameters()):
+        assert_close(torch.from_numpy(q.grad), p.grad, f"grad of {name}")
+    before = m.sinks.detach().clone()
+    torch.optim.SGD(m.parameters(), lr=0.1).step()
+    assert_close(m.sinks.detach(), before - 0.1 * m.sinks.grad, "sinks after a step")
+    assert "sinks=True" in repr(m) and "alibi=[0.2, 0.9]" in repr(m)

@@ -1,13 +1,7 @@
 """Parity of the attention variants (sliding window, ALiBi, soft-capping, sinks, packed sequences, KV cache) with
-a PyTorch reference written from their definitions with dense masks and biases (``reference`` below), in float64:
-the output, the log-sum-exp and every gradient (autograd through the reference), over shapes and combinations of
-options drawn by hypothesis.
-
-The definitions (as FlashAttention's, whose positions are aligned bottom-right: query i sits at key position
-i + S - L): scores s = scale * q k^T; soft cap s = softcap * tanh(s / softcap); then the float mask and the ALiBi
-bias -slope_h * |i + S - L - j| are added; keys outside the window [i + S - L - left, i + S - L + right] (-1:
-unbounded), after the causal diagonal, or masked out are hidden; the softmax's denominator also holds
-exp(sink_h), a logit with no value; dropout zeroes weights where attnpp's dropout_mask says so.
+a PyTorch reference written from their definitions with dense masks and biases (``reference`` in helpers.py, which
+states the definitions), in float64: the output, the log-sum-exp and every gradient (autograd through the
+reference), over shapes and combinations of options drawn by hypothesis.
 """
 import numpy as np
 import pytest
@@ -17,49 +11,7 @@ from hypothesis import strategies as st
 
 import attnpp.functional as AF
 from conftest import HYPOTHESIS_EXAMPLES, TOL, assert_close, examples
-
-
-def reference(q, k, v, *, attn_mask=None, is_causal=False, causal_alignment="top_left", scale=None, window=None,
-              alibi_slopes=None, softcap=None, sinks=None, keep=None, dropout_p=0.0):
-    """Output and log-sum-exp of attention from the definitions, on torch tensors (B, Hq, L, D), (B, Hk, S, D),
-    (B, Hk, S, Dv) (Hq a multiple of Hk), differentiable; alibi_slopes (Hq,) or (B, Hq); keep (B, Hq, L, S)."""
-    B, Hq, L, D = q.shape
-    S = k.shape[2]
-    g = Hq // k.shape[1]
-    k, v = k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)
-    scale = 1 / D ** 0.5 if scale is None else scale
-    s = scale * q @ k.transpose(-1, -2)
-    if softcap:
-        s = softcap * torch.tanh(s / softcap)
-    i = torch.arange(L)[:, None]
-    j = torch.arange(S)[None, :]
-    visible = torch.ones(L, S, dtype=torch.bool)
-    if attn_mask is not None:
-        if attn_mask.dtype == torch.bool:
-            visible = visible & attn_mask
-        else:
-            s = s + attn_mask
-    if alibi_slopes is not None:
-        slopes = alibi_slopes.reshape(-1, Hq)[:, :, None, None]
-        s = s - slopes * (i + S - L - j).abs()
-    if is_causal:
-        visible = visible & (j <= i + (S - L if causal_alignment == "bottom_right" else 0))
-    if window is not None:
-        left, right = window
-        if left >= 0:
-            visible = visible & (j >= i + S - L - left)
-        if right >= 0:
-            visible = visible & (j <= i + S - L + right)
-    s = s.masked_fill(~visible, float("-inf"))
-    if sinks is not None:
-        s = torch.cat([s, sinks[None, :, None, None].expand(B, Hq, L, 1)], dim=-1)
-    lse = torch.logsumexp(s, dim=-1)
-    hidden = torch.isinf(lse) & (lse < 0)  # rows that see nothing: weights 0 (no NaN gradient either)
-    p = torch.exp(s - torch.where(hidden, 0.0, lse)[..., None]).masked_fill(hidden[..., None], 0.0)
-    p = p[..., :S]
-    if keep is not None:
-        p = p * keep / (1 - dropout_p)
-    return p @ v, lse
+from helpers import reference
 
 
 def to_torch(*arrays):

@@ -37,7 +37,7 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from . import functional as AF
-from .nn.attention import attention_config
+from .nn.attention import attention_config, rotary_tables, variant_args
 
 __all__ = ["scaled_dot_product_attention", "linear", "Linear", "MultiheadAttention", "Attention"]
 
@@ -100,56 +100,82 @@ class _LinearFunction(torch.autograd.Function):
 
 class _AttentionFunction(torch.autograd.Function):
     """``attnpp.functional.scaled_dot_product_attention_forward`` and ``_backward``; returns (output, logsumexp),
-    the log-sum-exp without gradient."""
+    the log-sum-exp without gradient. ``sinks`` (a tensor or None) gets a gradient; ``options`` holds the other
+    variants (window, alibi_slopes as an array, softcap), which get none."""
 
     @staticmethod
-    def forward(ctx, query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, seed,
-                causal_alignment):
+    def forward(ctx, query, key, value, attn_mask, sinks, dropout_p, is_causal, scale, enable_gqa, seed,
+                causal_alignment, options):
         args = (dropout_p, is_causal, scale, enable_gqa)
         output, lse, _ = AF.scaled_dot_product_attention_forward(
-            *map(_numpy, (query, key, value, attn_mask)), *args, seed=seed, causal_alignment=causal_alignment)
+            *map(_numpy, (query, key, value, attn_mask)), *args, seed=seed, causal_alignment=causal_alignment,
+            sinks=_numpy(sinks), **options)
         output, lse = torch.from_numpy(output), torch.from_numpy(lse)
-        ctx.save_for_backward(query, key, value, attn_mask, output, lse)
-        ctx.args, ctx.seed, ctx.causal_alignment = args, seed, causal_alignment
+        ctx.save_for_backward(query, key, value, attn_mask, sinks, output, lse)
+        ctx.args, ctx.seed, ctx.causal_alignment, ctx.options = args, seed, causal_alignment, options
         ctx.mark_non_differentiable(lse)
         return output, lse
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_output, _grad_lse):
-        query, key, value, attn_mask, output, lse = ctx.saved_tensors
-        nones = (None,) * 7  # attn_mask (no gradient) and the non-tensor arguments
-        if not any(ctx.needs_input_grad[:3]):
-            return (None,) * 3 + nones
+        query, key, value, attn_mask, sinks, output, lse = ctx.saved_tensors
+        nones = (None,) * 7  # the non-tensor arguments
+        needs = ctx.needs_input_grad
+        if not (any(needs[:3]) or needs[4]):
+            return (None,) * 5 + nones
         grads = AF.scaled_dot_product_attention_backward(
             *map(_numpy, (grad_output, query, key, value, output, lse, attn_mask)), *ctx.args, seed=ctx.seed,
-            causal_alignment=ctx.causal_alignment)
-        return tuple(torch.from_numpy(g) if need else None for g, need in zip(grads, ctx.needs_input_grad)) + nones
+            causal_alignment=ctx.causal_alignment, sinks=_numpy(sinks), **ctx.options)
+        grad_sinks = torch.from_numpy(grads[3]) if needs[4] else None
+        grads = [torch.from_numpy(g) if need else None for g, need in zip(grads[:3], needs[:3])]
+        return (*grads, None, grad_sinks) + nones
+
+
+class _RotaryFunction(torch.autograd.Function):
+    """``attnpp.functional.rotary_embedding`` of (B, H, T, d) heads at positions 0 .. T - 1 and its backward."""
+
+    @staticmethod
+    def forward(ctx, input, cos, sin, interleaved):
+        ctx.tables, ctx.interleaved = (cos, sin), interleaved
+        return torch.from_numpy(AF.rotary_embedding(_numpy(input), cos, sin, interleaved=interleaved))
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_output):
+        grad = AF.rotary_embedding_backward(_numpy(grad_output), *ctx.tables, interleaved=ctx.interleaved)
+        return torch.from_numpy(grad), None, None, None
 
 
 def _attention(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, seed, causal_alignment,
-               need_weights=False):
+               need_weights=False, window=None, alibi_slopes=None, softcap=None, sinks=None):
     """The checked attention call of every public entry: (output, weights or None, the dropout seed or None)."""
     for t, name in ((query, "query"), (key, "key"), (value, "value")):
         _check_tensor(t, name)
     if attn_mask is not None:
         _check_tensor(attn_mask, "attn_mask", mask=True)
+    if sinks is not None:
+        _check_tensor(sinks, "sinks")
+    if isinstance(alibi_slopes, torch.Tensor):  # (slopes are constants: no gradient)
+        alibi_slopes = _numpy(_check_tensor(alibi_slopes, "alibi_slopes"))
+    options = dict(window=window, alibi_slopes=alibi_slopes, softcap=softcap)
     if AF.check_probability(dropout_p, "dropout_p") > 0 and seed is None:
         seed = _draw_seed()
-    output, lse = _AttentionFunction.apply(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
-                                           seed, causal_alignment)
+    output, lse = _AttentionFunction.apply(query, key, value, attn_mask, sinks, dropout_p, is_causal, scale,
+                                           enable_gqa, seed, causal_alignment, options)
     weights = None
     if need_weights:
         weights = torch.from_numpy(AF.scaled_dot_product_attention_weights(
             _numpy(query), _numpy(key), _numpy(attn_mask), dropout_p, is_causal, scale, enable_gqa, seed=seed,
-            causal_alignment=causal_alignment, logsumexp=_numpy(lse)))
+            causal_alignment=causal_alignment, logsumexp=_numpy(lse), sinks=_numpy(sinks), **options))
     return output, weights, seed if dropout_p > 0 else None
 
 
 def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
-                                 enable_gqa=False, *, seed=None, causal_alignment="top_left"):
+                                 enable_gqa=False, *, seed=None, causal_alignment="top_left", window=None,
+                                 alibi_slopes=None, softcap=None, sinks=None):
     """Scaled dot-product attention, as ``torch.nn.functional.scaled_dot_product_attention``, differentiable
-    in ``query``, ``key`` and ``value`` through attnpp's backward.
+    in ``query``, ``key``, ``value`` (and ``sinks``) through attnpp's backward.
 
     ``softmax(scale * query key^T + attn_mask) value``, with dropout on the weights.
 
@@ -171,6 +197,16 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
             torch's default generator (``torch.manual_seed`` makes it reproducible).
         causal_alignment (str, keyword-only, attnpp's): ``"top_left"`` (default, PyTorch's) or
             ``"bottom_right"`` (query i sees keys j <= i + S - L).
+        window (tuple of 2 ints, optional, keyword-only): sliding window ``(left, right)``, -1 unbounded,
+            positions aligned bottom-right (FlashAttention's ``window_size``). Default: None.
+        alibi_slopes (Tensor or ndarray, optional, keyword-only): ALiBi slopes (Hq,) or (B..., Hq), any float
+            dtype, on the CPU; they get no gradient (constants, as in FlashAttention). Default: None.
+        softcap (float, optional, keyword-only): logit soft-capping, ``softcap * tanh(scores / softcap)``.
+            Default: None.
+        sinks (Tensor, optional, keyword-only): attention sinks (Hq,), the query's dtype: a logit per head in
+            every softmax's denominator, without value; differentiable (its gradient flows through autograd like
+            the inputs'). Default: None.
+        (The definitions and sources of the variants: ``attnpp.functional.scaled_dot_product_attention``.)
 
     Returns:
         Tensor (B..., Hq, L, Dv), or (L, Dv) unbatched. A query whose keys are all masked gives 0 (as
@@ -178,11 +214,12 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
 
     Raises:
         ValueError: a tensor not on the CPU; shapes that do not agree or broadcast, dropout_p outside [0, 1),
-        attn_mask with is_causal=True. TypeError: dtypes other than float32/float64 (bool for the mask) or
-        mixed, a non-tensor.
+        attn_mask with is_causal=True, the variants' bad values (a window side below -1, a negative softcap,
+        alibi_slopes or sinks of another shape). TypeError: dtypes other than float32/float64 (bool for the mask)
+        or mixed, a non-tensor (sinks included).
     """
     return _attention(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, seed,
-                      causal_alignment)[0]
+                      causal_alignment, window=window, alibi_slopes=alibi_slopes, softcap=softcap, sinks=sinks)[0]
 
 
 def linear(input, weight, bias=None):
@@ -376,29 +413,39 @@ class Attention(torch.nn.Module):
 
     Args: those of ``attnpp.nn.Attention`` (embed_dim, num_heads=1, and keyword-only qk_dim, v_dim, kv_dim,
     out_dim, bias=True, out_proj=True, out_bias, causal=False, causal_alignment="top_left", attn_dropout=0.0,
-    out_dropout=0.0, scale, context_length; checked by the same ``attention_config``), except ``dtype``
-    (torch.dtype, optional): float32 or float64, default torch's default dtype; the output dropout is a
-    ``torch.nn.Dropout``.
+    out_dropout=0.0, scale, context_length, and the variants window, alibi=False, softcap, sinks=False,
+    rotary=False, rotary_dim, rotary_base=10000.0, rotary_interleaved=False; checked by the same
+    ``attention_config``, documented there), except ``dtype`` (torch.dtype, optional): float32 or float64,
+    default torch's default dtype; the output dropout is a ``torch.nn.Dropout``.
 
     Sub-modules (``attnpp.torch.Linear``, weight (out, in), torch.nn.Linear's initialisation): ``q_proj``
     (E -> qk_dim), ``k_proj`` (kv_dim -> qk_dim), ``v_proj`` (kv_dim -> v_dim), ``out_proj`` (v_dim -> out_dim,
-    or None); ``out_drop`` (``torch.nn.Dropout``). Attribute ``last_seed``: the attention-dropout seed of the last
-    forward (None without), mask ``attnpp.functional.dropout_mask((B, H, L, S), attn_dropout, last_seed)``.
+    or None); ``out_drop`` (``torch.nn.Dropout``). Parameter ``sinks`` (H,) (zeros at first) with
+    ``sinks=True``, else None; ``alibi_slopes`` a float64 ndarray (H,) or None (a constant, not in the state
+    dict). Attribute ``last_seed``: the attention-dropout seed of the last forward (None without), mask
+    ``attnpp.functional.dropout_mask((B, H, L, S), attn_dropout, last_seed)``.
 
     Raises:
         ValueError: H not dividing qk_dim or v_dim, a non-positive width, dropout outside [0, 1), an unknown
-        causal_alignment. TypeError: a dtype other than float32 or float64, widths that are not ints.
+        causal_alignment. TypeError: a dtype other than float32 or float64, widths that are not ints. And the
+        variants' errors, as ``attnpp.nn.Attention`` lists them.
     """
 
     def __init__(self, embed_dim, num_heads=1, *, qk_dim=None, v_dim=None, kv_dim=None, out_dim=None, bias=True,
                  out_proj=True, out_bias=None, causal=False, causal_alignment="top_left", attn_dropout=0.0,
-                 out_dropout=0.0, scale=None, context_length=None, dtype=None):
+                 out_dropout=0.0, scale=None, context_length=None, window=None, alibi=False, softcap=None,
+                 sinks=False, rotary=False, rotary_dim=None, rotary_base=10000.0, rotary_interleaved=False,
+                 dtype=None):
         super().__init__()
         dtype = _check_dtype(dtype)
         config = attention_config(embed_dim, num_heads, qk_dim, v_dim, kv_dim, out_dim, out_proj, causal,
-                                  causal_alignment, attn_dropout, out_dropout, scale, context_length)
-        out_dropout = config.pop("out_dropout")
+                                  causal_alignment, attn_dropout, out_dropout, scale, context_length,
+                                  window=window, alibi=alibi, softcap=softcap, sinks=sinks, rotary=rotary,
+                                  rotary_dim=rotary_dim, rotary_base=rotary_base,
+                                  rotary_interleaved=rotary_interleaved)
+        out_dropout, sinks = config.pop("out_dropout"), config.pop("sinks")
         self.__dict__.update(config)
+        self.sinks = torch.nn.Parameter(torch.zeros(self.num_heads, dtype=dtype)) if sinks else None
         self.q_proj = Linear(self.embed_dim, self.qk_dim, bias=bias, dtype=dtype)
         self.k_proj = Linear(self.kv_dim, self.qk_dim, bias=bias, dtype=dtype)
         self.v_proj = Linear(self.kv_dim, self.v_dim, bias=bias, dtype=dtype)
@@ -458,6 +505,9 @@ class Attention(torch.nn.Module):
         B, L, S = x3.shape[0], x3.shape[1], c3.shape[1]
         heads = lambda t: t.unflatten(-1, (self.num_heads, -1)).transpose(1, 2)  # (B, T, H * d) -> (B, H, T, d)
         q, k, v = heads(self.q_proj(x3)), heads(self.k_proj(c3)), heads(self.v_proj(c3))
+        if self.rotary:
+            q, k = (_RotaryFunction.apply(t, *rotary_tables(self, t.shape[2], _numpy(t).dtype),
+                                          self.rotary_interleaved) for t in (q, k))
         mask, causal = None, self.causal
         if key_padding_mask is not None:
             mask = _additive_mask(key_padding_mask, x.dtype, "key_padding_mask").reshape(B, 1, 1, S)
@@ -467,7 +517,8 @@ class Attention(torch.nn.Module):
                 mask, causal = mask + _additive_mask(hidden, x.dtype, "causal mask"), False
         p = self.attn_dropout if self.training else 0.0
         out, weights, self.last_seed = _attention(q, k, v, mask, p, causal, self.scale, False, None,
-                                                  self.causal_alignment, need_weights)
+                                                  self.causal_alignment, need_weights, self.window,
+                                                  self.alibi_slopes, self.softcap, self.sinks)
         y = out.transpose(1, 2).reshape(B, L, self.v_dim)
         y = self.out_drop(y if self.out_proj is None else self.out_proj(y))
         if not batched:
@@ -475,6 +526,8 @@ class Attention(torch.nn.Module):
         return (y, weights) if need_weights else y
 
     def extra_repr(self):
+        variants = "".join(f", {name}={value!r}" for name, (value, default) in
+                           variant_args(self).items() if value != default)
         return (f"embed_dim={self.embed_dim}, num_heads={self.num_heads}, qk_dim={self.qk_dim}, v_dim={self.v_dim}, "
                 f"kv_dim={self.kv_dim}, out_dim={self.out_dim}, causal={self.causal}, "
-                f"attn_dropout={self.attn_dropout}")
+                f"attn_dropout={self.attn_dropout}{variants}")

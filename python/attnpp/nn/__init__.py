@@ -6,6 +6,8 @@ from .embedding import Embedding
 from .dropout import Dropout
 from .loss import CrossEntropyLoss
 from .multihead_attention import MultiheadAttention
+from .kv_cache import KVCache
 from .attention import Attention
 
-__all__ = ["Parameter", "Module", "Linear", "Embedding", "Dropout", "CrossEntropyLoss", "MultiheadAttention", "Attention"]
+__all__ = ["Parameter", "Module", "Linear", "Embedding", "Dropout", "CrossEntropyLoss", "MultiheadAttention", "Attention",
+           "KVCache"]

@@ -1,3 +1,5 @@
+import math
+import numbers
 from collections.abc import Mapping
 
 import numpy as np
@@ -5,7 +7,9 @@ import numpy as np
 from .. import _core
 from .. import functional as F
 from .._seeds import check_seed
+from ..grad_mode import no_grad
 from .dropout import Dropout
+from .kv_cache import KVCache
 from .linear import Linear
 from .module import IncompatibleKeys, Module, to_numpy
 
@@ -78,10 +82,13 @@ _LOADER_OPTIONS = {"load_projections": ("load_projections", {}), "load_fused_qkv
 
 def attention_config(embed_dim, num_heads=1, qk_dim=None, v_dim=None, kv_dim=None, out_dim=None, out_proj=True,
                      causal=False, causal_alignment="top_left", attn_dropout=0.0, out_dropout=0.0, scale=None,
-                     context_length=None):
+                     context_length=None, *, window=None, alibi=False, softcap=None, sinks=False, rotary=False,
+                     rotary_dim=None, rotary_base=10000.0, rotary_interleaved=False):
     """The checked widths and options of an ``Attention`` layer (also ``attnpp.torch.Attention``'s), defaults
     filled in: a dict of embed_dim, num_heads, qk_dim, v_dim, kv_dim, out_dim, causal, causal_alignment,
-    attn_dropout, out_dropout, scale and context_length. Raises as ``Attention`` says."""
+    attn_dropout, out_dropout, scale, context_length, window ((left, right) or None), alibi_slopes (float64
+    ndarray (H,) or None), softcap (float or None), sinks (bool: the layer learns a sink logit per head), rotary
+    (bool), rotary_dim (int or None), rotary_base and rotary_interleaved. Raises as ``Attention`` says."""
     E = F.check_int(embed_dim, "embed_dim", 1)
     H = F.check_int(num_heads, "num_heads", 1)
     qk_dim = E if qk_dim is None else F.check_int(qk_dim, "qk_dim", 1)
@@ -101,7 +108,81 @@ def attention_config(embed_dim, num_heads=1, qk_dim=None, v_dim=None, kv_dim=Non
                 attn_dropout=F.check_probability(attn_dropout, "attn_dropout"),
                 out_dropout=F.check_probability(out_dropout, "out_dropout"),
                 scale=(qk_dim // H) ** -0.5 if scale is None else scale,
-                context_length=None if context_length is None else F.check_int(context_length, "context_length", 1))
+                context_length=None if context_length is None else F.check_int(context_length, "context_length", 1),
+                window=F.check_window(window), alibi_slopes=_alibi_slopes(alibi, H),
+                softcap=F.check_softcap(softcap), sinks=F.check_bool(sinks, "sinks"),
+                **_rotary_config(rotary, rotary_dim, rotary_base, rotary_interleaved, qk_dim // H))
+
+
+def _alibi_slopes(alibi, num_heads):
+    """The ``alibi`` option as the slopes (H,) float64 (True: ``get_alibi_slopes(H)``), or None (False)."""
+    if isinstance(alibi, (bool, np.bool_)):
+        return F.get_alibi_slopes(num_heads, np.float64) if alibi else None
+    if not isinstance(alibi, (np.ndarray, list, tuple)) and not hasattr(alibi, "__dlpack__"):
+        raise TypeError(f"alibi: expected a bool or an array of num_heads={num_heads} slopes, got "
+                        f"{type(alibi).__name__}")
+    slopes = np.asarray(to_numpy(alibi, "alibi") if hasattr(alibi, "detach") else alibi)
+    if slopes.dtype.kind != "f":
+        raise TypeError(f"alibi: expected float slopes, got dtype {slopes.dtype}")
+    if slopes.shape != (num_heads,):
+        raise ValueError(f"alibi: expected slopes of shape (num_heads,) = ({num_heads},), got {slopes.shape}")
+    if not np.isfinite(slopes).all():
+        raise ValueError(f"alibi: expected finite slopes, got {slopes.tolist()}")
+    return np.array(slopes, dtype=np.float64)
+
+
+def _rotary_config(rotary, rotary_dim, rotary_base, rotary_interleaved, head_dim):
+    """The checked RoPE options: rotary, rotary_dim (default the head width), rotary_base, rotary_interleaved."""
+    rotary = F.check_bool(rotary, "rotary")
+    rotary_interleaved = F.check_bool(rotary_interleaved, "rotary_interleaved")
+    if not isinstance(rotary_base, numbers.Real) or isinstance(rotary_base, bool):
+        raise TypeError(f"rotary_base: expected a float, got {type(rotary_base).__name__}")
+    if not (math.isfinite(rotary_base) and rotary_base > 0):
+        raise ValueError(f"rotary_base must be finite and > 0, got {rotary_base!r}")
+    if not rotary:
+        given = [n for n, v, default in (("rotary_dim", rotary_dim, None), ("rotary_base", rotary_base, 10000.0),
+                                         ("rotary_interleaved", rotary_interleaved, False)) if v != default]
+        if given:
+            raise ValueError(f"{', '.join(given)} given without rotary=True (RoPE is off)")
+        return dict(rotary=False, rotary_dim=None, rotary_base=10000.0, rotary_interleaved=False)
+    if rotary_dim is None:
+        if head_dim % 2:
+            raise ValueError(f"rotary=True: the head width qk_dim / num_heads = {head_dim} is odd; RoPE rotates "
+                             f"pairs of features: give an even rotary_dim < {head_dim}")
+        rotary_dim = head_dim
+    rotary_dim = F.check_int(rotary_dim, "rotary_dim", 2)
+    if rotary_dim % 2 or rotary_dim > head_dim:
+        raise ValueError(f"rotary_dim must be even and at most the head width qk_dim / num_heads = {head_dim}, "
+                         f"got {rotary_dim}")
+    return dict(rotary=True, rotary_dim=rotary_dim, rotary_base=float(rotary_base),
+                rotary_interleaved=rotary_interleaved)
+
+
+def rotary_tables(layer, positions, dtype):
+    """The (cos, sin) RoPE tables (P, rotary_dim / 2) of ``layer`` (an ``Attention``, attnpp's or attnpp.torch's)
+    in ``dtype``, for at least ``positions`` positions. Kept in ``layer._rotary_tables`` and grown by doubling (up
+    to context_length), so that decoding token by token computes them a few times only."""
+    cache = layer.__dict__.get("_rotary_tables")
+    if cache is None or cache[0].dtype != dtype or cache[0].shape[0] < positions:
+        size = max(positions, 64, 2 * (0 if cache is None else cache[0].shape[0]))
+        if layer.context_length is not None:
+            size = max(positions, min(size, layer.context_length))
+        cache = F.rotary_tables(size, layer.rotary_dim, layer.rotary_base, dtype)
+        layer.__dict__["_rotary_tables"] = cache
+    return cache
+
+
+def variant_args(layer):
+    """The variant options of an ``Attention`` layer (attnpp's or attnpp.torch's) for its ``repr``, as the
+    constructor takes them: ``{name: (value, default)}``."""
+    alibi = layer.alibi_slopes is not None
+    if alibi and not np.array_equal(layer.alibi_slopes, F.get_alibi_slopes(layer.num_heads, np.float64)):
+        alibi = layer.alibi_slopes.tolist()
+    head_dim = layer.qk_dim // layer.num_heads
+    return dict(window=(layer.window, None), alibi=(alibi, False), softcap=(layer.softcap, None),
+                sinks=(layer.sinks is not None, False), rotary=(layer.rotary, False),
+                rotary_dim=(layer.rotary_dim, head_dim if layer.rotary else None),
+                rotary_base=(layer.rotary_base, 10000.0), rotary_interleaved=(layer.rotary_interleaved, False))
 
 
 def _as_array(value, name):
@@ -120,7 +201,9 @@ class Attention(Module):
 
     ``out = out_dropout(Concat_h(softmax(scale * Q_h K_h^T + mask) V_h) W_O^T + b_O)`` with ``Q = x W_Q^T + b_Q``,
     ``K = c W_K^T + b_K``, ``V = c W_V^T + b_V`` and ``c = context`` (cross-attention) or ``x`` (self-attention),
-    attention dropout on the weights (Vaswani et al., "Attention Is All You Need", 2017). Every class of the
+    attention dropout on the weights (Vaswani et al., "Attention Is All You Need", 2017). The attention variants
+    of modern open models are options (``window``, ``alibi``, ``softcap``, ``sinks``, ``rotary``, below), and
+    ``init_kv_cache`` with ``forward(..., kv_cache=...)`` decodes token by token. Every class of the
     reference articles is one configuration of it (see the notebooks), and the weights of each article's
     parameter layout load with ``load_projections`` (``nn.Linear`` (out, in) or ``x @ W`` (in, out)),
     ``load_fused_qkv``, ``load_fused_kv`` or ``load_heads``.
@@ -165,26 +248,68 @@ class Attention(Module):
         out_dropout (float): dropout on the output in training mode. Default: 0.0.
         scale (float, optional): factor on q k^T. Default: 1 / sqrt(qk_dim / H).
         context_length (int, optional): longest L and S accepted (ValueError beyond). Default: no limit.
+        window (tuple of 2 ints, optional): sliding-window (local) attention, ``(left, right)``: query i sees keys
+            j with i + S - L - left <= j <= i + S - L + right, -1 leaving a side unbounded (FlashAttention's
+            ``window_size``, positions aligned bottom-right when L != S; Beltagy et al., "Longformer", 2020;
+            Mistral 7B's sliding window of w keys before each query is ``causal=True, window=(w, 0)``). Combines
+            with ``causal`` and the masks. Default: None.
+        alibi (bool or array): ALiBi position biases (Press et al., "Train Short, Test Long", 2022): the score of
+            query i and key j gets -slope_h * |i + S - L - j|. True: the paper's slopes for H heads
+            (``attnpp.functional.get_alibi_slopes(num_heads)``); or an array (H,) of float slopes. Kept as the
+            attribute ``alibi_slopes`` (float64 (H,) or None), not trained and not in the state dict. Default:
+            False.
+        softcap (float, optional): logit soft-capping (Gemma 2, Team Gemma 2024): the scores become
+            ``softcap * tanh(scores / softcap)`` before the masks and ALiBi are added; > 0 (0 or None: off).
+            Default: None.
+        sinks (bool): learn an attention sink per head (gpt-oss, OpenAI 2025; Xiao et al., "Efficient Streaming
+            Language Models with Attention Sinks", 2023): a logit that joins each softmax's denominator and takes
+            no value, so that a head can attend to nothing (its weights then sum to less than 1). The parameter
+            ``sinks`` (H,) starts at zeros, is in ``parameters()`` and ``state_dict()`` (key ``"sinks"``), gets
+            its gradient from ``backward`` and is trained by the optimizers. Default: False.
+        rotary (bool): rotary position embeddings, RoPE (Su et al., "RoFormer", 2021): each head's query and key
+            are rotated by angles of their positions after the projections and before attention (queries at
+            positions 0 .. L-1, keys at 0 .. S-1, in cross-attention too; after the cached tokens with a KV
+            cache), so that q . k depends on the positions' difference; the backward rotates the gradients back
+            (``attnpp.functional.rotary_embedding``). Default: False.
+        rotary_dim (int, optional): R, the features of each query/key head rotated (the first R; even, at most
+            the head width qk_dim / H; the rest pass through: partial rotary, as GPT-NeoX). Needs ``rotary``.
+            Default: the head width.
+        rotary_base (float): the base of RoPE's frequencies, base^(-2d/R) (``rope_theta``; > 0). Default:
+            10000.0.
+        rotary_interleaved (bool): rotate the feature pairs (2d, 2d + 1) (GPT-J) instead of (d, d + R/2)
+            (GPT-NeoX, Llama's ``rotate_half``). Default: False.
         dtype: float32 (default) or float64.
 
     Sub-layers (``attnpp.nn.Linear``, weight (out, in)): ``q_proj`` (E -> qk_dim), ``k_proj`` (kv_dim -> qk_dim),
     ``v_proj`` (kv_dim -> v_dim), ``out_proj`` (v_dim -> out_dim, or None), and ``out_drop`` (``Dropout``).
+    Parameter ``sinks`` (H,) with ``sinks=True``, else None.
 
     Raises:
-        ValueError: H not dividing qk_dim or v_dim, a non-positive width, dropout outside [0, 1).
-        TypeError: a dtype other than float32 or float64, widths that are not ints, dropouts that are not floats.
+        ValueError: H not dividing qk_dim or v_dim, a non-positive width, dropout outside [0, 1), a window side
+        below -1, a negative or infinite softcap, alibi slopes of another shape than (H,) or not finite, an odd
+        rotary_dim or one above the head width (or an odd head width with rotary=True and no rotary_dim), a
+        rotary_base that is not finite and > 0, rotary_dim/rotary_base/rotary_interleaved without rotary=True.
+        TypeError: a dtype other than float32 or float64, widths that are not ints, dropouts that are not floats,
+        a window that is not two ints, alibi that is neither a bool nor a float array, sinks/rotary/
+        rotary_interleaved that are not bools, a softcap or rotary_base that is not a number.
         MemoryError: widths too large to allocate.
     """
 
     def __init__(self, embed_dim, num_heads=1, *, qk_dim=None, v_dim=None, kv_dim=None, out_dim=None, bias=True,
                  out_proj=True, out_bias=None, causal=False, causal_alignment="top_left", attn_dropout=0.0,
-                 out_dropout=0.0, scale=None, context_length=None, dtype=None):
+                 out_dropout=0.0, scale=None, context_length=None, window=None, alibi=False, softcap=None,
+                 sinks=False, rotary=False, rotary_dim=None, rotary_base=10000.0, rotary_interleaved=False,
+                 dtype=None):
         super().__init__(dtype)
         config = attention_config(embed_dim, num_heads, qk_dim, v_dim, kv_dim, out_dim, out_proj, causal,
-                                  causal_alignment, attn_dropout, out_dropout, scale, context_length)
-        out_dropout = config.pop("out_dropout")
+                                  causal_alignment, attn_dropout, out_dropout, scale, context_length,
+                                  window=window, alibi=alibi, softcap=softcap, sinks=sinks, rotary=rotary,
+                                  rotary_dim=rotary_dim, rotary_base=rotary_base,
+                                  rotary_interleaved=rotary_interleaved)
+        out_dropout, sinks = config.pop("out_dropout"), config.pop("sinks")
         self.__dict__.update(config)
         self._causal_code = F.causal_code(self.causal, self.causal_alignment)
+        self.sinks = self.register_parameter("sinks", (self.num_heads,)) if sinks else None  # zeros
         self.q_proj = Linear(self.embed_dim, self.qk_dim, bias=bias, dtype=self.dtype)
         self.k_proj = Linear(self.kv_dim, self.qk_dim, bias=bias, dtype=self.dtype)
         self.v_proj = Linear(self.kv_dim, self.v_dim, bias=bias, dtype=self.dtype)
@@ -226,7 +351,31 @@ class Attention(Module):
         B, T, W = t.shape
         return t.reshape(B, T, self.num_heads, W // self.num_heads).transpose(0, 2, 1, 3)
 
-    def forward(self, x, context=None, key_padding_mask=None, need_weights=False, *, seed=None):
+    @staticmethod
+    def _merge_heads(t):
+        """(B, H, T, d) as (B, T, H * d) (a copy unless already laid out so)."""
+        B, H, T, d = t.shape
+        return t.transpose(0, 2, 1, 3).reshape(B, T, H * d)
+
+    def _variants(self, batch):
+        """The core's AttentionVariants of the layer's options (None without any)."""
+        sinks = None if self.sinks is None else self.sinks.data
+        return F.variants(self.window, self.alibi_slopes, self.softcap, sinks, (batch,), self.num_heads,
+                          self.dtype)[0]
+
+    def _rotate(self, heads, offset, backward=False):
+        """RoPE on (B, H, T, d) query or key heads at positions offset .. offset + T - 1 (offset an int or (B,)
+        ints), or its backward on their gradient: a new (B, H, T, d) array."""
+        rotate = F.rotary_embedding_backward if backward else F.rotary_embedding
+        return rotate(heads, *rotary_tables(self, int(np.max(offset, initial=0)) + heads.shape[2], heads.dtype),
+                      interleaved=self.rotary_interleaved, position_offset=offset)
+
+    def __getstate__(self):  # (the RoPE tables are recomputed when needed, not copied)
+        state = super().__getstate__()
+        state.pop("_rotary_tables", None)
+        return state
+
+    def forward(self, x, context=None, key_padding_mask=None, need_weights=False, *, seed=None, kv_cache=None):
         """Attend from ``x`` to ``context`` (or to ``x`` itself).
 
         Args:
@@ -235,21 +384,38 @@ class Attention(Module):
                 (cross-attention; S may differ from L). Default: None, self-attention on ``x``.
             key_padding_mask (ndarray, optional): (B, S) or (S,). Boolean: True where a key is *masked out*
                 (padding). Float: added to the scores. Combined with the causal mask. Default: None.
-            need_weights (bool): also return the (B, H, L, S) attention weights (after dropout). Default: False.
+            need_weights (bool): also return the (B, H, L, S) attention weights (after dropout; with sinks a
+                row sums to less than 1, the sink's share left out). Default: False.
             seed (int, optional): dropout seed for this call; the attention dropout uses ``seed`` (kept in
                 ``last_seed``; mask ``attnpp.functional.dropout_mask((B, H, L, S), attn_dropout, last_seed)``)
                 and the output dropout ``seed + 1`` (kept in ``out_drop.last_seed``). None draws from attnpp's
                 global generator.
+            kv_cache (KVCache, optional): incremental decoding (a causal self-attention layer): ``x`` (B, L_new, E)
+                holds the next L_new tokens of each of the cache's B sequences (a prompt to prefill, then one
+                token at a time). Their keys and values (after RoPE at positions ``kv_cache.lengths[b]`` onwards)
+                are written into the cache, the queries attend to every cached token up to their own (causal,
+                and the window, ALiBi, softcap and sinks of the layer, at their positions in the sequence), and
+                ``kv_cache.lengths`` grows by L_new. The outputs equal those of a forward on the whole sequence
+                at the same positions. Such a call is for inference: it saves no context for a backward (as under
+                ``attnpp.no_grad()``, its sub-layers neither), so a later ``backward`` consumes the contexts of
+                the forwards before it. It needs context, key_padding_mask and need_weights left at their
+                defaults, and no active dropout (call ``eval()``, or build the layer without dropout). Make
+                the cache with ``init_kv_cache``. Default: None.
 
         Returns:
             out (ndarray): (B, L, out_dim) or (L, out_dim); with ``need_weights``, ``(out, weights)``. A query
             whose keys are all masked attends to nothing: its attention output is 0.
 
         Raises:
-            TypeError: inputs of another dtype than the layer's, a mask that is not an array.
+            TypeError: inputs of another dtype than the layer's, a mask that is not an array, a kv_cache that is
+            not a KVCache.
             ValueError: shapes that do not agree (named with their shapes), a sequence longer than
-            context_length.
+            context_length; with kv_cache: a layer that is not causal self-attention, context,
+            key_padding_mask or need_weights given, dropout active, x not (B, L_new, E) for the cache's B, a cache
+            of other heads, widths or dtype, or without room for L_new more tokens.
         """
+        if kv_cache is not None:
+            return self._decode(x, context, key_padding_mask, need_weights, kv_cache)
         self_attention = context is None
         x, context, key_padding_mask = (None if t is None else F.as_ndarray(t, name) for t, name in
                                         ((x, "x"), (context, "context"), (key_padding_mask, "key_padding_mask")))
@@ -264,30 +430,103 @@ class Attention(Module):
         if key_padding_mask is not None:
             kpm = F.additive_mask(key_padding_mask, self.dtype, "key_padding_mask", true_means_masked=True)
             masks.append(F.mask_arg(kpm.reshape(B, 1, 1, S), (B, H, L, S)))
+        variants = self._variants(B)
         p = self.attn_dropout if self.training else 0.0
         dropping = self.training and (p > 0 or self.out_drop.p > 0)  # draw a seed only when one is used
         base_seed = check_seed(seed) if dropping else 0
         self.last_seed = base_seed if p > 0 else None
         core_args = (masks, self.scale, self._causal_code, p, base_seed if p > 0 else 0)
 
-        q, k, v = self.q_proj(x3), self.k_proj(c3), self.v_proj(c3)
+        q, k, v = (self._heads(t) for t in (self.q_proj(x3), self.k_proj(c3), self.v_proj(c3)))  # (B, H, T, d)
+        if self.rotary:
+            q, k = self._rotate(q, 0), self._rotate(k, 0)
         attn = F._empty((B, L, self.v_dim), self.dtype)
         lse = np.empty((B, H, L), self.dtype)
-        _core.sdpa_forward(self._heads(attn), lse, self._heads(q), self._heads(k), self._heads(v), *core_args)
+        _core.sdpa_forward(self._heads(attn), lse, q, k, v, *core_args, variants=variants)
         y = attn if self.out_proj is None else self.out_proj(attn)
         y = self.out_drop(y, seed=(base_seed + 1) % 2**64 if dropping else None)
-        self._save_context(qkv=(q, k, v), attn=attn, lse=lse, core_args=core_args, batched=batched,
-                         self_attention=self_attention, out_shape=y.shape if batched else y.shape[1:])
+        self._save_context(qkv=(q, k, v), attn=attn, lse=lse, core_args=core_args, variants=variants,
+                           batched=batched, self_attention=self_attention,
+                           out_shape=y.shape if batched else y.shape[1:])
         out = y if batched else y[0]
         if not need_weights:
             return out
-        _core.sdpa_weights(weights, lse, self._heads(q), self._heads(k), *core_args)
+        _core.sdpa_weights(weights, lse, q, k, *core_args, variants=variants)
         return out, (weights if batched else weights[0])
+
+    # ---------------------------------------------------------------------------------------- KV-cache decoding
+    def init_kv_cache(self, batch_size, max_length):
+        """An empty ``KVCache`` for decoding ``batch_size`` sequences of up to ``max_length`` tokens with this
+        layer (``forward(x, kv_cache=cache)``): keys (B, H, max_length, qk_dim / H), values (B, H, max_length,
+        v_dim / H), lengths (B,) zeros, in the layer's dtype.
+
+        Raises:
+            ValueError: a layer that is not causal self-attention (causal=True, kv_dim == embed_dim), sizes below
+            1, max_length above context_length. TypeError: sizes that are not ints.
+        """
+        self._check_decoding()
+        max_length = F.check_int(max_length, "max_length", 1)
+        if self.context_length is not None and max_length > self.context_length:
+            raise ValueError(f"max_length={max_length} exceeds the layer's context_length={self.context_length}")
+        H = self.num_heads
+        return KVCache(batch_size, H, max_length, self.qk_dim // H, self.v_dim // H, dtype=self.dtype)
+
+    def _check_decoding(self):
+        if not self.causal or self.kv_dim != self.embed_dim:
+            raise ValueError(f"kv_cache: decoding needs a causal self-attention layer (causal=True, kv_dim == "
+                             f"embed_dim), got causal={self.causal}, kv_dim={self.kv_dim}, embed_dim="
+                             f"{self.embed_dim}")
+
+    def _decode(self, x, context, key_padding_mask, need_weights, cache):
+        """``forward(x, kv_cache=cache)``: see there."""
+        self._check_decoding()
+        for name, value, default in (("context", context, None), ("key_padding_mask", key_padding_mask, None),
+                                     ("need_weights", need_weights, False)):
+            if value is not default:
+                raise ValueError(f"kv_cache: {name} must be left at {default} when decoding with a KV cache")
+        if self.training and (self.attn_dropout > 0 or self.out_drop.p > 0):
+            raise ValueError("kv_cache: decoding applies no dropout, but the layer is in training mode with "
+                             f"attn_dropout={self.attn_dropout}, out_dropout={self.out_drop.p}: call eval() first")
+        if not isinstance(cache, KVCache):
+            raise TypeError(f"kv_cache: expected an attnpp.nn.KVCache (from init_kv_cache), got "
+                            f"{type(cache).__name__}")
+        x = F.check_array(x, "x", ndim=3, dtype=self.dtype)
+        B, L, E = x.shape
+        H = self.num_heads
+        if E != self.embed_dim or B != cache.batch_size:
+            raise ValueError(f"x: expected (B, L_new, embed_dim) = ({cache.batch_size}, L_new, {self.embed_dim}) "
+                             f"(the cache's batch size), got {x.shape}")
+        want = ((B, H, cache.max_length, self.qk_dim // H), (B, H, cache.max_length, self.v_dim // H))
+        if (cache.key.shape, cache.value.shape) != want or cache.dtype != self.dtype:
+            raise ValueError(f"kv_cache: expected key {want[0]} and value {want[1]} of {np.dtype(self.dtype)} "
+                             f"(this layer's heads and widths), got key {cache.key.shape} and value "
+                             f"{cache.value.shape} of {cache.dtype}: make it with init_kv_cache")
+        lengths = cache.lengths
+        if not isinstance(lengths, np.ndarray) or lengths.dtype != np.int64 or lengths.shape != (B,):
+            raise ValueError(f"kv_cache.lengths: expected an int64 array ({B},)")
+        limit = cache.max_length if self.context_length is None else min(cache.max_length, self.context_length)
+        if (lengths < 0).any() or (lengths > limit - L).any():
+            raise ValueError(f"kv_cache: no room for {L} more tokens: lengths {lengths.tolist()}, max_length="
+                             f"{cache.max_length}, context_length={self.context_length}")
+        sinks = None if self.sinks is None else self.sinks.data
+        with no_grad():  # (no context in the projections either: a backward must not consume theirs)
+            q, k, v = (self._heads(proj(x)) for proj in (self.q_proj, self.k_proj, self.v_proj))
+            if self.rotary:
+                q, k = self._rotate(q, lengths), self._rotate(k, lengths)
+            out = F.scaled_dot_product_attention_with_kvcache(
+                q, cache.key, cache.value, lengths, k, v, is_causal=True, scale=self.scale, window=self.window,
+                alibi_slopes=self.alibi_slopes, softcap=self.softcap, sinks=sinks)
+            y = self._merge_heads(out)
+            y = y if self.out_proj is None else self.out_proj(y)
+        lengths += L
+        self.last_seed = None
+        return y
 
     # ---------------------------------------------------------------------------------------------- backward
     def backward(self, grad_output):
         """Gradients of the most recent ``forward`` not yet consumed (one context per forward outside
-        ``attnpp.no_grad()``, consumed last-in first-out: see ``attnpp.nn.Module``).
+        ``attnpp.no_grad()``, consumed last-in first-out: see ``attnpp.nn.Module``; a forward with a
+        ``kv_cache`` saves none).
 
         Args:
             grad_output (ndarray): the output's shape and dtype.
@@ -295,7 +534,7 @@ class Attention(Module):
         Returns:
             grad_x for self-attention (``context=None``), ``(grad_x, grad_context)`` when a context was given,
             shaped like the inputs.
-            Accumulates (+=) into every parameter's ``grad``.
+            Accumulates (+=) into every parameter's ``grad`` (``sinks`` included).
 
         Raises:
             ValueError: no forward context left, grad_output of another shape than its forward's output. TypeError: another
@@ -304,10 +543,13 @@ class Attention(Module):
         ctx = self._consume_context(grad_output)
         g = self.out_drop.backward(grad_output if ctx["batched"] else grad_output[None])
         d_attn = g if self.out_proj is None else self.out_proj.backward(g)
-        q, k, v = ctx["qkv"]
-        dq, dk, dv = (F._zeros(t.shape, t.dtype) for t in (q, k, v))
+        q, k, v = ctx["qkv"]  # (B, H, T, d), as the kernel read them
+        dq, dk, dv = (F._zeros((t.shape[0], t.shape[2], t.shape[1] * t.shape[3]), t.dtype) for t in (q, k, v))
         _core.sdpa_backward(*(self._heads(t) for t in (dq, dk, dv, np.ascontiguousarray(d_attn), ctx["attn"])),
-                            ctx["lse"], *(self._heads(t) for t in (q, k, v)), *ctx["core_args"])
+                            ctx["lse"], q, k, v, *ctx["core_args"], variants=ctx["variants"],
+                            grad_sinks=None if self.sinks is None else self.sinks.grad_buffer())
+        if self.rotary:  # (B, T, H * d) gradients of the rotated heads -> of the projections' outputs
+            dq, dk = (self._merge_heads(self._rotate(self._heads(t), 0, backward=True)) for t in (dq, dk))
         grad_x = self.q_proj.backward(dq)
         grad_c = self.k_proj.backward(dk) + self.v_proj.backward(dv)
         if not ctx["batched"]:
@@ -479,10 +721,12 @@ class Attention(Module):
         ======= ============================================ ======================================================
 
         A key is expected when the layer has its parameters (``bias``, ``out_bias``, ``out_proj`` as the
-        article's class). The mask buffer is checked, not ignored: 0/1 (or bool) values, the strict upper
-        triangle ``triu(ones(n, n), diagonal=1)`` when the layer is causal (which then expects the buffer) and
-        all zero when it is not, and n equal to ``context_length`` when the layer has one (n is the article's
-        block or context size; for the square masks of self-attention the causal alignment does not matter).
+        article's class); a layer with ``sinks`` (which no article has) reports ``"sinks"`` missing (so strict
+        raises, and ``strict=False`` loads the rest and keeps the sinks as they are). The mask buffer is checked,
+        not ignored: 0/1 (or bool) values, the strict upper triangle ``triu(ones(n, n), diagonal=1)`` when the
+        layer is causal (which then expects the buffer) and all zero when it is not, and n equal to
+        ``context_length`` when the layer has one (n is the article's block or context size; for the square
+        masks of self-attention the causal alignment does not matter).
         ``state_dict()`` keeps returning attnpp's own keys.
 
         Everything is checked before anything is copied: a failed load leaves the layer unchanged.
@@ -511,6 +755,8 @@ class Attention(Module):
         missing = [k for k in expected if k not in state_dict]
         if mask_name is not None and self.causal and mask_name not in state_dict:
             missing.append(mask_name)
+        if self.sinks is not None:  # (no article learns sinks)
+            missing.append("sinks")
         unexpected = [k for k in state_dict if k not in expected and k != mask_name]
         what = f"article {layout['article']}'s layout ({layout['classes']})"
         if strict and (missing or unexpected):
@@ -608,4 +854,4 @@ class Attention(Module):
                                  causal=(self.causal, False), causal_alignment=(self.causal_alignment, "top_left"),
                                  attn_dropout=(self.attn_dropout, 0.0),
                                  scale=(self.scale, (self.qk_dim // H) ** -0.5),
-                                 context_length=(self.context_length, None))
+                                 context_length=(self.context_length, None), **variant_args(self))
