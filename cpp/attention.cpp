@@ -17,17 +17,16 @@ namespace {
 constexpr int64_t kBlockL = 64;     // query rows per block of the backward
 // Query rows per task of the forward and the weights: each task packs every key block it sees, so that copy is
 // amortized over this many rows (64 rows: 15% of the forward's time at AVX2; 256, as PyTorch's CPU flash
-// attention for long sequences: 4%). Under a sliding window a block of R rows computes R x (R + window) scores
-// for R x window visible ones: fewer rows there.
+// attention for long sequences: 4%).
 constexpr int64_t kForwardL = 256;
+// Under a sliding window a block of R rows computes R x (R + window) scores for R x window visible ones: the
+// forward's task walks the keys in sub-blocks of this many rows, each over its own keys, all of them taken from
+// the task's keys packed once (up to kSharedPack elements of K and V: they stay in the L2 cache).
+constexpr int64_t kWindowRows = 64, kSharedPack = int64_t(1) << 17;
 // Up to this many query rows (a decoding step's), the forward multiplies the weights by the value rows in place
 // instead of packing them first: the copy would be used by too few rows to pay (decode step of the benchmark,
 // (8, 32 heads, 1, 128) over a cache of 4096: 15% faster).
 constexpr int64_t kFewRows = 16;
-template <typename T>
-int64_t forward_rows(const AttnConfig<T>& cfg) {
-  return cfg.window_left >= 0 ? 64 : kForwardL;
-}
 
 // Keys per block: 256 halves the forward's per-block work outside the products (rescaling the accumulated rows,
 // packing) against 128 (sdpa fwd (1,12,1024,64) against PyTorch at AVX2: 0.96 -> 1.01); 128 under the causal
@@ -60,13 +59,15 @@ void pack_block(PackedB<T>& b, const View4<const T>& a, int64_t n, int64_t h, in
 // scores (R, cols) = the scores of the rows of `b` against keys [j0, j0 + cols) of sequence `vis`:
 // scale * q_blk k_blk^T, soft-capped, plus the masks and the ALiBi bias, -inf outside each row's visible keys;
 // q_blk (R, D) with row stride ldq, kt = k_blk^T (D, >= cols) packed. With a soft cap and `dcap`, also
-// dcap (R, cols) = 1 - tanh^2, the cap's derivative. Returns false when every score is -inf.
+// dcap (R, cols) = 1 - tanh^2, the cap's derivative. Returns false when every score is -inf. kt_col0: the block's
+// first column in kt (a multiple of the panel width).
 template <typename T>
 bool score_block(RowMat<T>& scores, std::common_type_t<RowMat<T>>* dcap, const T* q_blk, int64_t ldq,
-                 const PackedB<T>& kt, const RowBlock& b, int64_t cols, const AttnConfig<T>& cfg, const Visible& vis, int64_t j0) {
+                 const PackedB<T>& kt, const RowBlock& b, int64_t cols, const AttnConfig<T>& cfg, const Visible& vis,
+                 int64_t j0, int64_t kt_col0 = 0) {
   const int64_t R = b.count();
   scores.resize(R, cols);
-  gemm(scores.data(), cols, q_blk, ldq, int64_t(1), kt, R, cols, cfg.D, cfg.scale, false);
+  gemm(scores.data(), cols, q_blk, ldq, int64_t(1), kt, R, cols, cfg.D, cfg.scale, false, 0, kt_col0);
   if (cfg.softcap > 0) {  // s = softcap * tanh(s / softcap)
     scores.array() = (scores.array() / cfg.softcap).tanh();
     if (dcap) dcap->array() = T(1) - scores.array().square();
@@ -155,7 +156,7 @@ T log_add_exp(T a, T b) {
 template <typename T>
 void sdpa_forward(const View4<T>& out, T* logsumexp, const View4<const T>& q, const View4<const T>& k,
                   const View4<const T>& v, const AttnConfig<T>& cfg) {
-  const int64_t bl = forward_rows(cfg), bs = key_block(cfg), g = cfg.group();  // bs: keys per block
+  const int64_t bl = kForwardL, bs = key_block(cfg), g = cfg.group();  // bs: keys per block
   // One task: a block of query rows of (n, key/value head); the heads of the group share blocks when L is short.
   const int64_t heads_per_block = std::clamp<int64_t>(bl / std::max<int64_t>(cfg.L, 1), 1, std::max<int64_t>(g, 1));
   const int64_t row_blocks = ceil_div(cfg.L, bl), head_blocks = ceil_div(g, heads_per_block);
@@ -185,43 +186,62 @@ void sdpa_forward(const View4<T>& out, T* logsumexp, const View4<const T>& q, co
         acc.setZero(R, cfg.Dv);
         m.setConstant(R, neg_inf<T>());
         l.setZero(R);
-        const int64_t j_end = std::min(vis.S, vis.last_key(i0 + b.rows - 1) + 1);
-        for (int64_t j0 = vis.first_key(i0); j0 < j_end; j0 += bs) {
-          const int64_t cols = std::min(bs, j_end - j0);
-          // rows [r0, r0 + br) see keys of this block (a one-head block: the others are hidden from it)
-          RowBlock sub = b;
-          int64_t r0 = 0;
-          if (b.heads == 1) {
-            r0 = std::clamp<int64_t>(vis.first_query(j0) - i0, 0, b.rows);
-            sub.i0 = i0 + r0;
-            sub.rows = std::clamp<int64_t>(vis.last_query(j0 + cols - 1) + 1 - i0, r0, b.rows) - r0;
-            if (sub.rows == 0) continue;
-          }
-          const int64_t br = sub.count();
-          pack_block(kt, k, n, hk, vis.k0 + j0, cols, cfg.D, true);
-          if (!score_block(s_blk, nullptr, q_blk + r0 * ldq, ldq, kt, sub, cols, cfg, vis, j0)) continue;
-          for (int64_t r = 0; r < br; ++r) {
-            // the new running max; NaN once a score is NaN, so that the row comes out NaN as in PyTorch
-            const T blk_max = s_blk.row(r).template maxCoeff<Eigen::PropagateNaN>();
-            const T m_old = m(r0 + r), m_new = std::isnan(blk_max) || blk_max > m_old ? blk_max : m_old;
-            if (m_new == neg_inf<T>()) {  // nothing visible yet in this row
-              s_blk.row(r).setZero();
-              continue;
+        // rows [s0, s0 + sub_rows) walk keys [first_key(s0), last_key(s0 + sub_rows - 1)] (windowed: sub-blocks,
+        // their keys in kt and vb packed once for the task when they fit: `shared`)
+        const bool windowed = cfg.window_left >= 0 && b.heads == 1;
+        const int64_t sub_rows = windowed ? kWindowRows : b.rows;
+        const int64_t span0 = vis.first_key(i0), span1 = std::min(vis.S, vis.last_key(i0 + b.rows - 1) + 1);
+        const bool shared = windowed && span1 > span0 && (span1 - span0) * (cfg.D + cfg.Dv) <= kSharedPack;
+        if (shared) {
+          pack_block(kt, k, n, hk, vis.k0 + span0, span1 - span0, cfg.D, true);
+          pack_block(vb, v, n, hk, vis.k0 + span0, span1 - span0, cfg.Dv, false);
+        }
+        for (int64_t s0 = 0; s0 < b.rows; s0 += sub_rows) {
+          const int64_t s1 = std::min(b.rows, s0 + sub_rows);
+          int64_t j_begin = vis.first_key(i0 + s0);
+          const int64_t j_end = std::min(vis.S, vis.last_key(i0 + s1 - 1) + 1);
+          if (shared) j_begin = span0 + (j_begin - span0) / kt.kPanel * kt.kPanel;  // from a panel's start
+          for (int64_t j0 = j_begin; j0 < j_end; j0 += bs) {
+            const int64_t cols = std::min(bs, j_end - j0);
+            // rows [r0, r0 + br) see keys of this block (a one-head block: the others are hidden from it)
+            RowBlock sub = b;
+            int64_t r0 = s0;
+            if (b.heads == 1) {
+              r0 = std::clamp<int64_t>(vis.first_query(j0) - i0, s0, s1);
+              sub.i0 = i0 + r0;
+              sub.rows = std::clamp<int64_t>(vis.last_query(j0 + cols - 1) + 1 - i0, r0, s1) - r0;
+              if (sub.rows == 0) continue;
             }
-            const T alpha = std::exp(m_old - m_new);  // rescales what was summed under the old max
-            l(r0 + r) = l(r0 + r) * alpha + exp_shifted(&s_blk(r, 0), cols, m_new);
-            acc.row(r0 + r) *= alpha;
-            m(r0 + r) = m_new;
-          }
-          if (cfg.dropout_p > 0) apply_dropout(s_blk, cfg, sub, j0);
-          // acc += p v_blk
-          T* acc_rows = acc.data() + r0 * cfg.Dv;
-          if (br <= kFewRows) {
-            gemm_detail::gemm_rows(acc_rows, cfg.Dv, s_blk.data(), cols, int64_t(1), v.at(n, hk, vis.k0 + j0), v.row,
-                                   br, cfg.Dv, cols, T(1), true);
-          } else {
-            pack_block(vb, v, n, hk, vis.k0 + j0, cols, cfg.Dv, false);
-            gemm(acc_rows, cfg.Dv, s_blk.data(), cols, int64_t(1), vb, br, cfg.Dv, cols, T(1), true);
+            const int64_t br = sub.count();
+            if (!shared) pack_block(kt, k, n, hk, vis.k0 + j0, cols, cfg.D, true);
+            if (!score_block(s_blk, nullptr, q_blk + r0 * ldq, ldq, kt, sub, cols, cfg, vis, j0,
+                             shared ? j0 - span0 : 0))
+              continue;
+            for (int64_t r = 0; r < br; ++r) {
+              // the new running max; NaN once a score is NaN, so that the row comes out NaN as in PyTorch
+              const T blk_max = s_blk.row(r).template maxCoeff<Eigen::PropagateNaN>();
+              const T m_old = m(r0 + r), m_new = std::isnan(blk_max) || blk_max > m_old ? blk_max : m_old;
+              if (m_new == neg_inf<T>()) {  // nothing visible yet in this row
+                s_blk.row(r).setZero();
+                continue;
+              }
+              const T alpha = std::exp(m_old - m_new);  // rescales what was summed under the old max
+              l(r0 + r) = l(r0 + r) * alpha + exp_shifted(&s_blk(r, 0), cols, m_new);
+              acc.row(r0 + r) *= alpha;
+              m(r0 + r) = m_new;
+            }
+            if (cfg.dropout_p > 0) apply_dropout(s_blk, cfg, sub, j0);
+            // acc += p v_blk
+            T* acc_rows = acc.data() + r0 * cfg.Dv;
+            if (shared) {
+              gemm(acc_rows, cfg.Dv, s_blk.data(), cols, int64_t(1), vb, br, cfg.Dv, cols, T(1), true, j0 - span0);
+            } else if (br <= kFewRows) {
+              gemm_detail::gemm_rows(acc_rows, cfg.Dv, s_blk.data(), cols, int64_t(1), v.at(n, hk, vis.k0 + j0),
+                                     v.row, br, cfg.Dv, cols, T(1), true);
+            } else {
+              pack_block(vb, v, n, hk, vis.k0 + j0, cols, cfg.Dv, false);
+              gemm(acc_rows, cfg.Dv, s_blk.data(), cols, int64_t(1), vb, br, cfg.Dv, cols, T(1), true);
+            }
           }
         }
         for (int64_t r = 0; r < R; ++r) {

@@ -138,7 +138,11 @@ struct AttnConfig {
   const int64_t* seqlens_k = nullptr;  // (N) keys of sequence n, from row 0 (a KV cache)
 
   int64_t group() const { return Hk ? Hq / Hk : 0; }  // query heads per key/value head (GQA)
-  int64_t work() const { return N * Hq * L * S * (D + Dv); }  // multiply-adds of a forward without masking
+  // multiply-adds of a forward without masking (a KV cache: over its longest filled length, not its capacity)
+  int64_t work() const {
+    const int64_t keys = seqlens_k ? *std::max_element(seqlens_k, seqlens_k + N) : S;
+    return N * Hq * L * keys * (D + Dv);
+  }
   Visible seq(int64_t n) const {
     Visible v;
     v.q0 = cu_q ? cu_q[n] : 0, v.L = cu_q ? cu_q[n + 1] - cu_q[n] : L;

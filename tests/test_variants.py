@@ -268,6 +268,15 @@ def test_kvcache_step_matches_reference(rng, dtype, new, options):
         check(f"output[{b}]", out[b:b + 1], ref, dtype)
 
 
+def test_kvcache_takes_one_length_for_every_sequence(rng):
+    """cache_seqlens as a plain int (or a 0-d array): the same length for every sequence."""
+    q = rng.standard_normal((2, 2, 1, 4))
+    kc, vc = rng.standard_normal((2, 2, 6, 4)), rng.standard_normal((2, 2, 6, 4))
+    out = AF.scaled_dot_product_attention_with_kvcache(q, kc.copy(), vc.copy(), 3, q, q)
+    np.testing.assert_array_equal(
+        out, AF.scaled_dot_product_attention_with_kvcache(q, kc.copy(), vc.copy(), np.array([3, 3]), q, q))
+
+
 def test_kvcache_refuses_a_full_cache(rng):
     q = rng.standard_normal((1, 2, 2, 4))
     kc, vc = np.zeros((1, 2, 5, 4)), np.zeros((1, 2, 5, 4))

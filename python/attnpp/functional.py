@@ -743,6 +743,8 @@ def scaled_dot_product_attention_with_kvcache(query, key_cache, value_cache, cac
         raise ValueError(f"query heads must be a multiple of the cache's heads (GQA), got query {query.shape} and "
                          f"key_cache {key_cache.shape}")
     Dv = value_cache.shape[3]
+    if isinstance(cache_seqlens, numbers.Integral) and not isinstance(cache_seqlens, bool):
+        cache_seqlens = np.array(cache_seqlens)
     lengths = np.broadcast_to(as_ndarray(cache_seqlens, "cache_seqlens"), (B,))
     if lengths.dtype.kind not in "iu":
         raise TypeError(f"cache_seqlens: expected integers, got dtype {lengths.dtype}")
