@@ -113,6 +113,13 @@ def check_scale(scale):
     return None if scale is None else float(scale)
 
 
+def score_scale(scale, D):
+    """The factor on q k^T: ``scale`` (checked), 1 / sqrt(D) by default; 1 when D = 0, where every q k^T is the
+    empty sum 0 whatever the scale (PyTorch: uniform weights, not NaN)."""
+    scale = check_scale(scale)
+    return 1.0 if D == 0 else (1.0 / math.sqrt(D) if scale is None else scale)
+
+
 def causal_code(is_causal, causal_alignment):
     """The core's causal flag: 0 none, 1 top-left, 2 bottom-right; ValueError for an unknown alignment."""
     if causal_alignment not in _CAUSAL:
@@ -316,8 +323,7 @@ class _Problem:
         self.k4 = self._as4(key, Hk, S, D, self.k_repeat)
         self.v4 = self._as4(value, Hk, S, Dv, self.v_repeat) if value is not None else np.zeros((self.N, Hk, S, 0),
                                                                                                    dtype)
-        # with D = 0 every q k^T is the empty sum 0, whatever the scale (PyTorch: uniform weights, not NaN)
-        self.scale = 1.0 if D == 0 else float(1.0 / math.sqrt(D) if scale is None else scale)
+        self.scale = score_scale(scale, D)
         self.dropout_p = float(dropout_p)
         if need_seed and dropout_p > 0 and seed is None:
             raise ValueError("seed: the backward with dropout_p > 0 needs the seed given to the forward")
@@ -595,7 +601,7 @@ class _Varlen:
         self.B = cu_q.shape[0] - 1
         check_probability(dropout_p, "dropout_p")
         self.causal = causal_code(check_bool(is_causal, "is_causal"), causal_alignment)
-        self.scale = 1.0 if self.D == 0 else float(1.0 / math.sqrt(self.D) if check_scale(scale) is None else scale)
+        self.scale = score_scale(scale, self.D)
         self.dropout_p = float(dropout_p)
         if need_seed and dropout_p > 0 and seed is None:
             raise ValueError("seed: the backward with dropout_p > 0 needs the seed given to the forward")
@@ -765,8 +771,7 @@ def scaled_dot_product_attention_with_kvcache(query, key_cache, value_cache, cac
         if not c.flags.writeable or (c.shape[-1] > 1 and c.strides[-1] != c.itemsize):
             raise ValueError(f"{name}: expected a writeable array whose last dimension is contiguous")
     lengths = lengths.astype(np.int64)
-    scale = check_scale(scale)
-    scale = 1.0 if D == 0 else float(1.0 / math.sqrt(D) if scale is None else scale)
+    scale = score_scale(scale, D)
     options, _ = variants(window, alibi_slopes, softcap, sinks, (B,), Hq, dt, seqlens_k=lengths + new)
     causal = _CAUSAL["bottom_right"] if check_bool(is_causal, "is_causal") else 0
     if new:
