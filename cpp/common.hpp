@@ -140,7 +140,7 @@ struct AttnConfig {
   int64_t group() const { return Hk ? Hq / Hk : 0; }  // query heads per key/value head (GQA)
   // multiply-adds of a forward without masking (a KV cache: over its longest filled length, not its capacity)
   int64_t work() const {
-    const int64_t keys = seqlens_k ? *std::max_element(seqlens_k, seqlens_k + N) : S;
+    const int64_t keys = seqlens_k && N > 0 ? *std::max_element(seqlens_k, seqlens_k + N) : S;
     return N * Hq * L * keys * (D + Dv);
   }
   Visible seq(int64_t n) const {
