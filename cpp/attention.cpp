@@ -180,7 +180,7 @@ void sdpa_forward(const View4<T>& out, T* logsumexp, const View4<const T>& q, co
         if (b.heads > 1) {
           q_rows.resize(R, cfg.D);
           for (int64_t r = 0; r < R; ++r)
-            std::copy_n(q.at(n, b.head(r), vis.q0 + b.query(r)), cfg.D, &q_rows(r, 0));
+            std::copy_n(q.at(n, b.head(r), vis.q0 + b.query(r)), cfg.D, q_rows.data() + r * cfg.D);
           q_blk = q_rows.data(), ldq = cfg.D;
         }
         acc.setZero(R, cfg.Dv);
