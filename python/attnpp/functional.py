@@ -235,6 +235,11 @@ def mask_arg(mask, full_shape):
             int(strides[-1]))
 
 
+def last_dim_contiguous(x):
+    """``x`` itself when its last dimension is contiguous (what the core's views need), else a C-contiguous copy."""
+    return x if x.shape[-1] <= 1 or x.strides[-1] == x.itemsize else np.ascontiguousarray(x)
+
+
 def _broadcast_shape(name, *shapes):
     """NumPy's broadcast of ``shapes`` (without its limit on the total size: a too large result is for the
     caller's MemoryError), else ValueError naming them."""
@@ -347,7 +352,7 @@ class _Problem:
                                                                                           cols)
         if repeat > 1:
             return x4.repeat(repeat, axis=1)
-        return x4 if cols <= 1 or x4.strides[-1] == x4.itemsize else np.ascontiguousarray(x4)
+        return last_dim_contiguous(x4)
 
     def core_args(self):
         return self.masks, self.scale, self.causal, self.dropout_p, self.seed
@@ -613,7 +618,7 @@ class _Varlen:
     @staticmethod
     def heads(x):
         """(T, H, width) as the core's (1, H, T, width) view, the last dimension contiguous."""
-        x = x if x.shape[-1] <= 1 or x.strides[-1] == x.itemsize else np.ascontiguousarray(x)
+        x = last_dim_contiguous(x)
         return x.transpose(1, 0, 2)[None]
 
     def core_args(self):
@@ -780,7 +785,7 @@ def scaled_dot_product_attention_with_kvcache(query, key_cache, value_cache, cac
             value_cache[b, :, s:s + new] = value[b]
     out = _empty((B, Hq, L, Dv), dt)
     lse = np.empty((B, Hq, L), dt)
-    q4 = query if D <= 1 or query.strides[-1] == query.itemsize else np.ascontiguousarray(query)
+    q4 = last_dim_contiguous(query)
     _core.sdpa_forward(out, lse, q4, key_cache, value_cache, [], scale, causal, 0.0, 0, variants=options)
     return out
 
