@@ -292,19 +292,19 @@ def test_core_refuses_shapes_whose_strides_overflow(function, shape, exc):
         call()
 
 
-# the core's guards on the variants' arrays given to it directly (what memory safety needs: offsets and lengths
-# within the arrays, slopes and sinks of the right size), whatever the Python layer checked first
-def _core_sdpa(**variants):
+# the core's guards on the params given to it directly (what memory safety needs: offsets and lengths within the
+# arrays, slopes and sinks of the right size, a mask inside its array), whatever the Python layer checked first
+def _core_sdpa(**params):
     q = np.zeros((1, 2, 5, 4))
     out, lse = np.zeros((1, 2, 5, 4)), np.zeros((1, 2, 5))
-    attnpp._core.sdpa_forward(out, lse, q, q, q, [], 1.0, 0, 0.0, 0,
-                              variants=attnpp._core.AttentionVariants(**variants))
+    masks = [attnpp._core.AttentionMask(*fields) for fields in params.pop("masks", [])]
+    attnpp._core.sdpa_forward(out, lse, q, q, q, attnpp._core.AttentionParams(masks=masks, **params))
 
 
 I64 = lambda *v: np.array(v, dtype=np.int64)
 
 
-@pytest.mark.parametrize("variants, exc, ws", [
+@pytest.mark.parametrize("params, exc, ws", [
     (dict(cu_seqlens_q=I64(0, 3, 6), cu_seqlens_k=I64(0, 3, 5)), ValueError, ["cu_seqlens_q", "0 to 5"]),
     (dict(cu_seqlens_q=I64(0, 3, 2, 5), cu_seqlens_k=I64(0, 1, 2, 5)), ValueError, ["cu_seqlens_q"]),
     (dict(cu_seqlens_q=I64(0, 5), cu_seqlens_k=I64(0, 2, 5)), ValueError, ["same number"]),
@@ -317,20 +317,23 @@ I64 = lambda *v: np.array(v, dtype=np.int64)
     (dict(alibi_slopes=np.ones((1, 2), dtype=np.float32)), TypeError, ["alibi_slopes", "float64"]),
     (dict(sinks=np.ones(3)), ValueError, ["sinks", "2 values"]),
     (dict(sinks=[1.0, 2.0]), TypeError, ["sinks", "numpy.ndarray"]),
-    (dict(softcap=-1.0), ValueError, ["softcap"]),
-    (dict(softcap=float("nan")), ValueError, ["softcap"]),
+    (dict(masks=[(np.zeros(9), I64(0), 0, 3, 0)]), ValueError, ["attn_mask", "outside"]),  # (mask fields)
+    (dict(masks=[(np.zeros(9), I64(1), 0, 2, 0)]), ValueError, ["attn_mask", "outside"]),
+    (dict(masks=[(np.zeros(9), I64(0, 0), 0, 0, 1)]), ValueError, ["batch offsets"]),
+    (dict(masks=[(np.zeros(9, np.float32), I64(0), 0, 0, 0)]), TypeError, ["attn_mask", "float64"]),
+    (dict(causal=2), TypeError, ["incompatible"]),
+    (dict(window=(1, 1)), TypeError, ["unexpected keyword", "window"]),
 ], ids=str)
-def test_core_refuses_bad_variants(variants, exc, ws):
+def test_core_refuses_bad_params(params, exc, ws):
     with pytest.raises(exc, match=words(*ws)):
-        _core_sdpa(**variants)
+        _core_sdpa(**params)
 
 
 def test_core_refuses_bad_grad_sinks():
     q = np.zeros((1, 2, 5, 4))
-    with pytest.raises(ValueError, match=words("grad_sinks", "(2)")):
-        attnpp._core.sdpa_backward(q.copy(), q.copy(), q.copy(), q, q, np.zeros((1, 2, 5)), q, q, q, [], 1.0, 0, 0.0,
-                                   0, variants=attnpp._core.AttentionVariants(sinks=np.zeros(2)),
-                                   grad_sinks=np.zeros(3))
+    with pytest.raises(ValueError, match=words("grad_sinks", "(2,)")):
+        attnpp._core.sdpa_backward(q.copy(), q.copy(), q.copy(), q, q, np.zeros((1, 2, 5)), q, q, q,
+                                   attnpp._core.AttentionParams(sinks=np.zeros(2)), grad_sinks=np.zeros(3))
 
 
 # ------------------------------------------------------------------------------------- linear, linear_backward

@@ -272,7 +272,8 @@ class Derived:
 
 
 class MaskTuple:
-    """One element of the sdpa mask list: (mask, batch_offsets, h_stride, l_stride, s_stride)."""
+    """One element of the sdpa mask list: the fields of a _core.AttentionMask (data, batch_offsets, h_stride,
+    l_stride, s_stride), made into one when the call is made (sdpa_params)."""
 
     def __init__(self, mask, offsets, hs, ls, ss, info):
         self.items = [mask, offsets, hs, ls, ss]
@@ -1360,8 +1361,28 @@ class Observed(Exception):
     """A finding made inside an invoker (not an exception of the call)."""
 
 
+PARAM_SLOTS = ("masks", "scale", "causal", "dropout_p", "seed")  # an sdpa call's fields of _core.AttentionParams
+
+
+def sdpa_params(core, names, values):
+    """The _core.AttentionParams of an sdpa call's parameter slots (masks as AttentionMasks, an int causal as
+    Causal(int)); a mutated value raises here, where the binding's conversion of the arguments would."""
+    fields = dict(zip(names, values))
+    masks = fields.pop("masks", [])
+    if type(masks) is list:
+        masks = [core.AttentionMask(*m) if type(m) in (tuple, list) else m for m in masks]
+    if type(fields.get("causal")) is int:
+        fields["causal"] = core.Causal(fields["causal"])
+    return core.AttentionParams(masks=masks, **fields)
+
+
 def invoke(core, call, args):
     fn = call.fn
+    if fn.startswith("sdpa_"):  # the parameter slots, wherever mutations left them, as one AttentionParams
+        names = [s.name for s in call.slots if not s.omit]
+        i = names.index("masks") if "masks" in names else len(args)
+        k = i + sum(1 for n in names[i:i + len(PARAM_SLOTS)] if n in PARAM_SLOTS)
+        args = args[:i] + [sdpa_params(core, names[i:k], args[i:k])] + args[k:]
     if fn == "set_num_threads":
         old = core.get_num_threads()
         try:

@@ -1,20 +1,17 @@
-"""Type stubs of attnpp._core, the pybind11 module built from cpp/bindings.cpp.
+"""Type stubs of attnpp._core, the pybind11 module built from cpp/bindings/.
 
 Kept in step with the binding by tests/test_core_stubs.py (argument names, defaults, functions both ways).
 The kernels write their results into the output arrays passed first; the backward functions add into theirs.
 Float arrays are all float32 or all float64 within a call; index arrays are C-contiguous int64.
 """
 
-from typing import Any, Dict, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, List, Optional, Sequence, Union
 
 import numpy as np
 import numpy.typing as npt
 
 _FloatArray = Union[npt.NDArray[np.float32], npt.NDArray[np.float64]]
 _IndexArray = npt.NDArray[np.int64]
-# An additive mask as the core reads it: (mask, batch_offsets (N,) int64, h_stride, l_stride, s_stride), strides in
-# elements of the mask array (attnpp.functional.mask_arg builds it from a broadcast view).
-_MaskArg = Tuple[_FloatArray, npt.ArrayLike, int, int, int]
 
 def cpu_capability() -> str:
     """The CPU level the kernels run at: 'default', 'avx2' or 'avx512' (the last two on x86-64 only)."""
@@ -28,33 +25,51 @@ def set_num_threads(n: int) -> None:
 def get_num_threads() -> int:
     """The number of OpenMP threads the kernels use."""
 
-class AttentionVariants:
-    """Options of the attention variants for sdpa_forward/backward/weights: window_left, window_right (-1 unbounded;
-    keys [i + S - L - left, i + S - L + right]), softcap (0 none), alibi_slopes (1 or N, Hq), sinks (Hq,),
-    cu_seqlens_q and cu_seqlens_k ((N + 1,) int64: packed sequences in the arrays' one batch entry), seqlens_k
-    ((N,) int64: keys per batch entry, a KV cache)."""
+class Causal:
+    """Which keys a causal mask hides: none; top_left (query i sees keys j <= i); bottom_right (query i sees keys
+    j <= i + S - L)."""
+
+    none: Causal
+    top_left: Causal
+    bottom_right: Causal
+    name: str
+    value: int
+    def __init__(self, value: int) -> None:
+        """The member of this value."""
+
+class AttentionMask:
+    """An additive mask broadcast to (N, H, L, S): element (n, h, i, j) is the element of data at batch_offsets[n] +
+    h * h_stride + i * l_stride + j * s_stride elements from its first (in memory, whatever data's shape); data of
+    the attention's dtype, batch_offsets (N,) int64 (attnpp.functional.mask_arg builds one from a broadcast view)."""
 
     def __init__(
-        self,
-        *,
-        window_left: int = -1,
-        window_right: int = -1,
-        softcap: float = 0.0,
-        alibi_slopes: Optional[_FloatArray] = None,
-        sinks: Optional[_FloatArray] = None,
-        cu_seqlens_q: Optional[_IndexArray] = None,
-        cu_seqlens_k: Optional[_IndexArray] = None,
-        seqlens_k: Optional[_IndexArray] = None,
+        self, data: _FloatArray, batch_offsets: _IndexArray, h_stride: int, l_stride: int, s_stride: int
     ) -> None:
-        """The options; each argument as the attribute of its name (arrays are checked by the sdpa call)."""
-    window_left: int
-    window_right: int
-    softcap: float
-    alibi_slopes: Optional[_FloatArray]
-    sinks: Optional[_FloatArray]
-    cu_seqlens_q: Optional[_IndexArray]
+        """The mask's fields."""
+    data: _FloatArray
+    batch_offsets: _IndexArray
+    h_stride: int
+    l_stride: int
+    s_stride: int
+
+class AttentionParams:
+    """The parameters of sdpa_forward/backward/weights besides the arrays, each an attribute with its default."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        """The defaults, with each keyword argument set as the attribute of its name (TypeError for another name)."""
+    scale: float  # 1.0; the factor on q k^T
+    causal: Causal  # Causal.none
+    dropout_p: float  # 0.0
+    seed: int  # 0
+    masks: List[AttentionMask]  # []; summed into the scores
+    window_left: int  # -1 (unbounded); keys [i + S - L - window_left, i + S - L + window_right]
+    window_right: int  # -1
+    softcap: float  # 0.0 (none)
+    alibi_slopes: Optional[_FloatArray]  # (1 or N, Hq)
+    sinks: Optional[_FloatArray]  # (Hq,)
+    cu_seqlens_q: Optional[_IndexArray]  # (N + 1,): packed sequences in the arrays' one batch entry
     cu_seqlens_k: Optional[_IndexArray]
-    seqlens_k: Optional[_IndexArray]
+    seqlens_k: Optional[_IndexArray]  # (N,): keys per batch entry (a KV cache)
 
 def sdpa_forward(
     out: _FloatArray,
@@ -62,15 +77,10 @@ def sdpa_forward(
     query: _FloatArray,
     key: _FloatArray,
     value: _FloatArray,
-    masks: Sequence[_MaskArg],
-    scale: float,
-    causal: int,
-    dropout_p: float,
-    seed: int,
-    variants: Optional[AttentionVariants] = None,
+    params: AttentionParams,
 ) -> None:
     """Attention forward into out (N, Hq, L, Dv) and logsumexp (N, Hq, L), of query (N, Hq, L, D), key (N, Hk, S, D),
-    value (N, Hk, S, Dv); causal: 0 none, 1 top-left, 2 bottom-right aligned."""
+    value (N, Hk, S, Dv)."""
 
 def sdpa_backward(
     grad_query: _FloatArray,
@@ -82,29 +92,20 @@ def sdpa_backward(
     query: _FloatArray,
     key: _FloatArray,
     value: _FloatArray,
-    masks: Sequence[_MaskArg],
-    scale: float,
-    causal: int,
-    dropout_p: float,
-    seed: int,
-    variants: Optional[AttentionVariants] = None,
+    params: AttentionParams,
     grad_sinks: Optional[_FloatArray] = None,
 ) -> None:
     """Attention backward: adds into grad_query (N, Hq, L, D), grad_key (N, Hk, S, D), grad_value (N, Hk, S, Dv)
-    and grad_sinks (Hq,) or None, from grad_output and out (N, Hq, L, Dv), logsumexp (N, Hq, L) and sdpa_forward's inputs."""
+    and grad_sinks (Hq,) or None, from grad_output and out (N, Hq, L, Dv), logsumexp (N, Hq, L) and sdpa_forward's
+    inputs and params."""
 
 def sdpa_weights(
     weights: _FloatArray,
     logsumexp: _FloatArray,
     query: _FloatArray,
     key: _FloatArray,
-    masks: Sequence[_MaskArg],
-    scale: float,
-    causal: int,
-    dropout_p: float,
-    seed: int,
+    params: AttentionParams,
     average_heads: bool = False,
-    variants: Optional[AttentionVariants] = None,
 ) -> None:
     """The attention weights (after dropout) into weights (N, Hq, L, S), or (N, L, S) averaged over heads."""
 

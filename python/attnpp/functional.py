@@ -30,7 +30,7 @@ __all__ = [
 
 _FLOATS = (np.dtype(np.float32), np.dtype(np.float64))
 _MAX_ELEMENTS = np.iinfo(np.intp).max // 8  # more elements than any array can hold
-_CAUSAL = {"top_left": 1, "bottom_right": 2}
+_CAUSAL = {"top_left": _core.Causal.top_left, "bottom_right": _core.Causal.bottom_right}
 
 
 _POOLED_BYTES = 1 << 20  # outputs at least this large come from the core's recycled buffers
@@ -120,11 +120,11 @@ def score_scale(scale, D):
     return 1.0 if D == 0 else (1.0 / math.sqrt(D) if scale is None else scale)
 
 
-def causal_code(is_causal, causal_alignment):
-    """The core's causal flag: 0 none, 1 top-left, 2 bottom-right; ValueError for an unknown alignment."""
+def causal_mode(is_causal, causal_alignment):
+    """The core's ``Causal`` value (none, top_left, bottom_right); ValueError for an unknown alignment."""
     if causal_alignment not in _CAUSAL:
         raise ValueError(f"causal_alignment must be 'top_left' or 'bottom_right', got {causal_alignment!r}")
-    return _CAUSAL[causal_alignment] if is_causal else 0
+    return _CAUSAL[causal_alignment] if is_causal else _core.Causal.none
 
 
 def check_int(value, name, minimum=0):
@@ -219,10 +219,9 @@ def additive_mask(mask, dtype, name, true_means_masked):
 
 
 def mask_arg(mask, full_shape):
-    """The core's view of an additive mask broadcast to ``full_shape`` = (B..., H, L, S).
-
-    Returns (mask, batch_offsets (N,), h_stride, l_stride, s_stride), strides in elements, no copy.
-    """
+    """The core's view of an additive mask broadcast to ``full_shape`` = (B..., H, L, S): an
+    ``_core.AttentionMask`` (the mask, batch_offsets (N,), h_stride, l_stride, s_stride, strides in elements), no
+    copy."""
     view = np.broadcast_to(mask, full_shape)
     strides = np.array(view.strides, dtype=np.int64) // view.itemsize
     batch = full_shape[:-3]
@@ -231,8 +230,8 @@ def mask_arg(mask, full_shape):
         offsets = (strides[: len(batch), None] * idx).sum(axis=0)
     else:
         offsets = np.zeros(1, dtype=np.int64)
-    return (view, np.ascontiguousarray(offsets, dtype=np.int64), int(strides[-3]), int(strides[-2]),
-            int(strides[-1]))
+    return _core.AttentionMask(view, np.ascontiguousarray(offsets, dtype=np.int64), int(strides[-3]),
+                               int(strides[-2]), int(strides[-1]))
 
 
 def last_dim_contiguous(x):
@@ -253,21 +252,23 @@ def _broadcast_shape(name, *shapes):
     return tuple(out)
 
 
-def variants(window, alibi_slopes, softcap, sinks, batch, Hq, dtype, **sequences):
-    """The core's AttentionVariants for these options (None when there are none), and the sinks array (or None).
+def attention_params(batch, Hq, dtype, *, scale, causal=_core.Causal.none, dropout_p=0.0, seed=0, masks=(),
+                     window=None, alibi_slopes=None, softcap=None, sinks=None, **sequences):
+    """The core's ``AttentionParams`` of one attention call over ``batch`` (B...) and ``Hq`` query heads of
+    ``dtype``, the variants' options checked here, and the sinks array (or None). ``masks``: ``mask_arg``'s;
     ``sequences``: cu_seqlens_q and cu_seqlens_k, or seqlens_k, already checked."""
     window, softcap = check_window(window), check_softcap(softcap)
-    options = {}
+    params = _core.AttentionParams(scale=scale, causal=causal, dropout_p=dropout_p, seed=seed, masks=list(masks),
+                                   **sequences)
     if window is not None:
-        options["window_left"], options["window_right"] = window
+        params.window_left, params.window_right = window
     if softcap is not None:
-        options["softcap"] = softcap
+        params.softcap = softcap
     if alibi_slopes is not None:
-        options["alibi_slopes"] = check_alibi_slopes(alibi_slopes, batch, Hq, dtype)
+        params.alibi_slopes = check_alibi_slopes(alibi_slopes, batch, Hq, dtype)
     if sinks is not None:
-        sinks = options["sinks"] = check_sinks(sinks, Hq, dtype)
-    options.update(sequences)
-    return (_core.AttentionVariants(**options) if options else None), sinks
+        sinks = params.sinks = check_sinks(sinks, Hq, dtype)
+    return params, sinks
 
 
 class _Problem:
@@ -290,7 +291,7 @@ class _Problem:
         check_probability(dropout_p, "dropout_p")
         check_scale(scale)
         is_causal, enable_gqa = check_bool(is_causal, "is_causal"), check_bool(enable_gqa, "enable_gqa")
-        self.causal = causal_code(is_causal, causal_alignment)
+        causal = causal_mode(is_causal, causal_alignment)
         if is_causal and attn_mask is not None:
             raise ValueError("attn_mask must be None when is_causal=True (as in PyTorch): pass one or the other")
         self.dtype = dtype
@@ -328,12 +329,10 @@ class _Problem:
         self.k4 = self._as4(key, Hk, S, D, self.k_repeat)
         self.v4 = self._as4(value, Hk, S, Dv, self.v_repeat) if value is not None else np.zeros((self.N, Hk, S, 0),
                                                                                                    dtype)
-        self.scale = score_scale(scale, D)
-        self.dropout_p = float(dropout_p)
         if need_seed and dropout_p > 0 and seed is None:
             raise ValueError("seed: the backward with dropout_p > 0 needs the seed given to the forward")
         self.seed = check_seed(seed) if dropout_p > 0 else 0
-        self.masks = []
+        masks = []
         if attn_mask is not None:
             m = additive_mask(attn_mask, dtype, "attn_mask", true_means_masked=False)
             full_shape = tuple(batch) + (Hq, L, S)
@@ -343,8 +342,10 @@ class _Problem:
             except ValueError:
                 raise ValueError(f"attn_mask: shape {attn_mask.shape} does not broadcast to (B..., Hq, L, S) = "
                                  f"{full_shape}") from None
-            self.masks.append(mask_arg(m, full_shape))
-        self.variants, self.sinks = variants(window, alibi_slopes, softcap, sinks, batch, Hq, dtype)
+            masks.append(mask_arg(m, full_shape))
+        self.params, self.sinks = attention_params(
+            batch, Hq, dtype, scale=score_scale(scale, D), causal=causal, dropout_p=float(dropout_p), seed=self.seed,
+            masks=masks, window=window, alibi_slopes=alibi_slopes, softcap=softcap, sinks=sinks)
 
     def _as4(self, x, H, rows, cols, repeat=1):
         """``x`` as (N, H, rows, cols), a view where possible; its heads repeated ``repeat`` times (GQA)."""
@@ -353,9 +354,6 @@ class _Problem:
         if repeat > 1:
             return x4.repeat(repeat, axis=1)
         return last_dim_contiguous(x4)
-
-    def core_args(self):
-        return self.masks, self.scale, self.causal, self.dropout_p, self.seed
 
     def out_shape(self, *tail):
         return tuple(tail) if self.unbatched else tuple(self.batch) + (self.Hq,) + tuple(tail)
@@ -444,9 +442,9 @@ def scaled_dot_product_attention_forward(query, key, value, attn_mask=None, drop
                  window=window, alibi_slopes=alibi_slopes, softcap=softcap, sinks=sinks)
     out = _empty((p.N, p.Hq, p.L, p.Dv), p.dtype)
     lse = np.empty((p.N, p.Hq, p.L), p.dtype)
-    _core.sdpa_forward(out, lse, p.q4, p.k4, p.v4, *p.core_args(), variants=p.variants)
+    _core.sdpa_forward(out, lse, p.q4, p.k4, p.v4, p.params)
     return AttentionForward(out.reshape(p.out_shape(p.L, p.Dv)), lse.reshape(p.out_shape(p.L)),
-                            p.seed if p.dropout_p > 0 else None)
+                            p.seed if p.params.dropout_p > 0 else None)
 
 
 AttentionForward = namedtuple("AttentionForward", ["output", "logsumexp", "seed"])
@@ -507,7 +505,7 @@ def scaled_dot_product_attention_backward(grad_output, query, key, value, output
     dv = _zeros((p.N, p.Hk, p.S, p.Dv), p.dtype)
     dsinks = None if p.sinks is None else np.zeros(p.Hq, p.dtype)
     _core.sdpa_backward(dq, dk, dv, four(grad_output, (p.L, p.Dv)), four(output, (p.L, p.Dv)),
-                        four(logsumexp, (p.L,)), p.q4, p.k4, p.v4, *p.core_args(), variants=p.variants,
+                        four(logsumexp, (p.L,)), p.q4, p.k4, p.v4, p.params,
                         grad_sinks=dsinks)
     grads = p.reduce_to(dq, query), p.reduce_to(dk, key, p.k_repeat), p.reduce_to(dv, value, p.v_repeat)
     return grads if dsinks is None else grads + (dsinks,)
@@ -543,14 +541,13 @@ def scaled_dot_product_attention_weights(query, key, attn_mask=None, dropout_p=0
     weights = _empty((p.N, p.Hq, p.L, p.S), p.dtype)  # first: a MemoryError before any work
     if logsumexp is None:  # a forward with Dv = 0 computes the log-sum-exp alone
         lse = np.empty((p.N, p.Hq, p.L), p.dtype)
-        _core.sdpa_forward(np.empty((p.N, p.Hq, p.L, 0), p.dtype), lse, p.q4, p.k4, p.v4, *p.core_args(),
-                           variants=p.variants)
+        _core.sdpa_forward(np.empty((p.N, p.Hq, p.L, 0), p.dtype), lse, p.q4, p.k4, p.v4, p.params)
     else:
         logsumexp = check_array(logsumexp, "logsumexp", dtype=p.dtype)
         if logsumexp.shape != p.out_shape(p.L):
             raise ValueError(f"logsumexp: expected shape {p.out_shape(p.L)}, got {logsumexp.shape}")
         lse = np.ascontiguousarray(logsumexp).reshape(p.N, p.Hq, p.L)
-    _core.sdpa_weights(weights, lse, p.q4, p.k4, *p.core_args(), variants=p.variants)
+    _core.sdpa_weights(weights, lse, p.q4, p.k4, p.params)
     return weights.reshape(p.out_shape(p.L, p.S))
 
 
@@ -605,14 +602,14 @@ class _Varlen:
                              f"{cu_q.shape} and {cu_k.shape}")
         self.B = cu_q.shape[0] - 1
         check_probability(dropout_p, "dropout_p")
-        self.causal = causal_code(check_bool(is_causal, "is_causal"), causal_alignment)
-        self.scale = score_scale(scale, self.D)
-        self.dropout_p = float(dropout_p)
+        causal = causal_mode(check_bool(is_causal, "is_causal"), causal_alignment)
         if need_seed and dropout_p > 0 and seed is None:
             raise ValueError("seed: the backward with dropout_p > 0 needs the seed given to the forward")
         self.seed = check_seed(seed) if dropout_p > 0 else 0
-        self.variants, self.sinks = variants(window, alibi_slopes, softcap, sinks, (self.B,), self.Hq, dt,
-                                             cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
+        self.params, self.sinks = attention_params(
+            (self.B,), self.Hq, dt, scale=score_scale(scale, self.D), causal=causal, dropout_p=float(dropout_p),
+            seed=self.seed, window=window, alibi_slopes=alibi_slopes, softcap=softcap, sinks=sinks,
+            cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
         self.q4, self.k4, self.v4 = (self.heads(x) for x in (query, key, value))
 
     @staticmethod
@@ -620,9 +617,6 @@ class _Varlen:
         """(T, H, width) as the core's (1, H, T, width) view, the last dimension contiguous."""
         x = last_dim_contiguous(x)
         return x.transpose(1, 0, 2)[None]
-
-    def core_args(self):
-        return [], self.scale, self.causal, self.dropout_p, self.seed
 
 
 def scaled_dot_product_attention_varlen_forward(query, key, value, cu_seqlens_q, cu_seqlens_k, dropout_p=0.0,
@@ -660,8 +654,8 @@ def scaled_dot_product_attention_varlen_forward(query, key, value, cu_seqlens_q,
                 window, alibi_slopes, softcap, sinks)
     out = _empty((p.Tq, p.Hq, p.Dv), p.dtype)
     lse = np.empty((p.Hq, p.Tq), p.dtype)
-    _core.sdpa_forward(p.heads(out), lse[None], p.q4, p.k4, p.v4, *p.core_args(), variants=p.variants)
-    return AttentionForward(out, lse, p.seed if p.dropout_p > 0 else None)
+    _core.sdpa_forward(p.heads(out), lse[None], p.q4, p.k4, p.v4, p.params)
+    return AttentionForward(out, lse, p.seed if p.params.dropout_p > 0 else None)
 
 
 def scaled_dot_product_attention_varlen(query, key, value, cu_seqlens_q, cu_seqlens_k, dropout_p=0.0,
@@ -703,7 +697,7 @@ def scaled_dot_product_attention_varlen_backward(grad_output, query, key, value,
     dq, dk, dv = (_zeros(shape, p.dtype) for shape in ((p.Tq, p.Hq, p.D), (p.Tk, p.Hk, p.D), (p.Tk, p.Hk, p.Dv)))
     dsinks = None if p.sinks is None else np.zeros(p.Hq, p.dtype)
     _core.sdpa_backward(p.heads(dq), p.heads(dk), p.heads(dv), p.heads(grad_output), p.heads(output),
-                        np.ascontiguousarray(logsumexp)[None], p.q4, p.k4, p.v4, *p.core_args(), variants=p.variants,
+                        np.ascontiguousarray(logsumexp)[None], p.q4, p.k4, p.v4, p.params,
                         grad_sinks=dsinks)
     return (dq, dk, dv) if dsinks is None else (dq, dk, dv, dsinks)
 
@@ -776,9 +770,10 @@ def scaled_dot_product_attention_with_kvcache(query, key_cache, value_cache, cac
         if not c.flags.writeable or (c.shape[-1] > 1 and c.strides[-1] != c.itemsize):
             raise ValueError(f"{name}: expected a writeable array whose last dimension is contiguous")
     lengths = lengths.astype(np.int64)
-    scale = score_scale(scale, D)
-    options, _ = variants(window, alibi_slopes, softcap, sinks, (B,), Hq, dt, seqlens_k=lengths + new)
-    causal = _CAUSAL["bottom_right"] if check_bool(is_causal, "is_causal") else 0
+    params, _ = attention_params((B,), Hq, dt, scale=score_scale(scale, D),
+                                 causal=causal_mode(check_bool(is_causal, "is_causal"), "bottom_right"),
+                                 window=window, alibi_slopes=alibi_slopes, softcap=softcap, sinks=sinks,
+                                 seqlens_k=lengths + new)
     if new:
         for b, s in enumerate(lengths.tolist()):  # the new tokens, in place
             key_cache[b, :, s:s + new] = key[b]
@@ -786,7 +781,7 @@ def scaled_dot_product_attention_with_kvcache(query, key_cache, value_cache, cac
     out = _empty((B, Hq, L, Dv), dt)
     lse = np.empty((B, Hq, L), dt)
     q4 = last_dim_contiguous(query)
-    _core.sdpa_forward(out, lse, q4, key_cache, value_cache, [], scale, causal, 0.0, 0, variants=options)
+    _core.sdpa_forward(out, lse, q4, key_cache, value_cache, params)
     return out
 
 

@@ -96,7 +96,7 @@ def attention_config(embed_dim, num_heads=1, qk_dim=None, v_dim=None, kv_dim=Non
     for name, width in (("qk_dim", qk_dim), ("v_dim", v_dim)):
         if width % H:
             raise ValueError(f"{name} must be divisible by num_heads, got {name}={width}, num_heads={H}")
-    F.causal_code(causal, causal_alignment)  # (ValueError for an unknown alignment)
+    F.causal_mode(causal, causal_alignment)  # (ValueError for an unknown alignment)
     out_dim = None if out_dim is None else F.check_int(out_dim, "out_dim", 1)
     if not out_proj and out_dim is not None and out_dim != v_dim:
         raise ValueError(f"out_dim={out_dim} needs out_proj=True (without it the output width is v_dim)")
@@ -308,7 +308,6 @@ class Attention(Module):
                                   rotary_interleaved=rotary_interleaved)
         out_dropout, sinks = config.pop("out_dropout"), config.pop("sinks")
         self.__dict__.update(config)
-        self._causal_code = F.causal_code(self.causal, self.causal_alignment)
         self.sinks = self.register_parameter("sinks", (self.num_heads,)) if sinks else None  # zeros
         self.q_proj = Linear(self.embed_dim, self.qk_dim, bias=bias, dtype=self.dtype)
         self.k_proj = Linear(self.kv_dim, self.qk_dim, bias=bias, dtype=self.dtype)
@@ -357,11 +356,13 @@ class Attention(Module):
         B, H, T, d = t.shape
         return t.transpose(0, 2, 1, 3).reshape(B, T, H * d)
 
-    def _variants(self, batch):
-        """The core's AttentionVariants of the layer's options (None without any)."""
+    def _params(self, batch, masks=(), dropout_p=0.0, seed=0):
+        """The core's AttentionParams of a forward over ``batch`` sequences with the layer's options."""
         sinks = None if self.sinks is None else self.sinks.data
-        return F.variants(self.window, self.alibi_slopes, self.softcap, sinks, (batch,), self.num_heads,
-                          self.dtype)[0]
+        return F.attention_params((batch,), self.num_heads, self.dtype, scale=self.scale,
+                                  causal=F.causal_mode(self.causal, self.causal_alignment), dropout_p=dropout_p,
+                                  seed=seed, masks=masks, window=self.window, alibi_slopes=self.alibi_slopes,
+                                  softcap=self.softcap, sinks=sinks)[0]
 
     def _rotate(self, heads, offset, backward=False):
         """RoPE on (B, H, T, d) query or key heads at positions offset .. offset + T - 1 (offset an int or (B,)
@@ -430,28 +431,27 @@ class Attention(Module):
         if key_padding_mask is not None:
             kpm = F.additive_mask(key_padding_mask, self.dtype, "key_padding_mask", true_means_masked=True)
             masks.append(F.mask_arg(kpm.reshape(B, 1, 1, S), (B, H, L, S)))
-        variants = self._variants(B)
         p = self.attn_dropout if self.training else 0.0
         dropping = self.training and (p > 0 or self.out_drop.p > 0)  # draw a seed only when one is used
         base_seed = check_seed(seed) if dropping else 0
         self.last_seed = base_seed if p > 0 else None
-        core_args = (masks, self.scale, self._causal_code, p, base_seed if p > 0 else 0)
+        params = self._params(B, masks, p, base_seed if p > 0 else 0)
 
         q, k, v = (self._heads(t) for t in (self.q_proj(x3), self.k_proj(c3), self.v_proj(c3)))  # (B, H, T, d)
         if self.rotary:
             q, k = self._rotate(q, 0), self._rotate(k, 0)
         attn = F._empty((B, L, self.v_dim), self.dtype)
         lse = np.empty((B, H, L), self.dtype)
-        _core.sdpa_forward(self._heads(attn), lse, q, k, v, *core_args, variants=variants)
+        _core.sdpa_forward(self._heads(attn), lse, q, k, v, params)
         y = attn if self.out_proj is None else self.out_proj(attn)
         y = self.out_drop(y, seed=(base_seed + 1) % 2**64 if dropping else None)
-        self._save_context(qkv=(q, k, v), attn=attn, lse=lse, core_args=core_args, variants=variants,
+        self._save_context(qkv=(q, k, v), attn=attn, lse=lse, params=params,
                            batched=batched, self_attention=self_attention,
                            out_shape=y.shape if batched else y.shape[1:])
         out = y if batched else y[0]
         if not need_weights:
             return out
-        _core.sdpa_weights(weights, lse, q, k, *core_args, variants=variants)
+        _core.sdpa_weights(weights, lse, q, k, params)
         return out, (weights if batched else weights[0])
 
     # ---------------------------------------------------------------------------------------- KV-cache decoding
@@ -546,7 +546,7 @@ class Attention(Module):
         q, k, v = ctx["qkv"]  # (B, H, T, d), as the kernel read them
         dq, dk, dv = (F._zeros((t.shape[0], t.shape[2], t.shape[1] * t.shape[3]), t.dtype) for t in (q, k, v))
         _core.sdpa_backward(*(self._heads(t) for t in (dq, dk, dv, np.ascontiguousarray(d_attn), ctx["attn"])),
-                            ctx["lse"], q, k, v, *ctx["core_args"], variants=ctx["variants"],
+                            ctx["lse"], q, k, v, ctx["params"],
                             grad_sinks=None if self.sinks is None else self.sinks.grad_buffer())
         if self.rotary:  # (B, T, H * d) gradients of the rotated heads -> of the projections' outputs
             dq, dk = (self._merge_heads(self._rotate(self._heads(t), 0, backward=True)) for t in (dq, dk))

@@ -182,9 +182,9 @@ class MultiheadAttention(Module):
         kpm = None if key_padding_mask is None else \
             F.additive_mask(key_padding_mask, dt, "key_padding_mask", true_means_masked=True)
         am = None if attn_mask is None else F.additive_mask(attn_mask, dt, "attn_mask", true_means_masked=True)
-        causal = 0
+        causal = _core.Causal.none
         if is_causal and kpm is None and not need_weights:
-            am, causal = None, 1
+            am, causal = None, _core.Causal.top_left
         q3, k3, v3 = (query, key, value) if batched else (query[None], key[None], value[None])
         q = F.linear(q3, *self._proj_params(0))
         k = F.linear(k3, *self._proj_params(1))
@@ -216,15 +216,16 @@ class MultiheadAttention(Module):
         p = self.dropout if self.training else 0.0
         seed = check_seed(seed) if p > 0 else 0
         self.last_seed = seed if p > 0 else None
-        core_args = (masks, 1.0 / math.sqrt(self.head_dim), causal, p, seed)
+        params, _ = F.attention_params((B,), H, dt, scale=1.0 / math.sqrt(self.head_dim), causal=causal,
+                                       dropout_p=p, seed=seed, masks=masks)
         out = F._empty(q.shape, q.dtype)
         lse = np.empty((B, H, L), dt)
         q4, k4, v4, o4 = (self._heads(x, bf) for x in (q, k, v, out))
-        _core.sdpa_forward(o4, lse, q4, k4, v4, *core_args)
+        _core.sdpa_forward(o4, lse, q4, k4, v4, params)
         y = self.out_proj(out)
         if need_weights:  # the mean over heads is taken in the core, without the (B, H, L, S) weights
-            _core.sdpa_weights(weights, lse, q4, k4, *core_args, average_heads=average_attn_weights)
-        self._save_context(inputs=(q3, k3, v3), proj=(q, k, v, out), lse=lse, core_args=core_args, bf=bf,
+            _core.sdpa_weights(weights, lse, q4, k4, params, average_heads=average_attn_weights)
+        self._save_context(inputs=(q3, k3, v3), proj=(q, k, v, out), lse=lse, params=params, bf=bf,
                          batched=batched, S=S, seq_axis=seq_axis, out_shape=y.shape if batched else y.shape[1:])
         if not batched:
             y = y[0]
@@ -255,7 +256,7 @@ class MultiheadAttention(Module):
         d_out = self.out_proj.backward(grad_output if ctx["batched"] else grad_output[None])
         dq, dk, dv = (F._zeros(t.shape, t.dtype) for t in (q, k, v))
         _core.sdpa_backward(*(self._heads(x, bf) for x in (dq, dk, dv, d_out, out)), ctx["lse"],
-                            *(self._heads(x, bf) for x in (q, k, v)), *ctx["core_args"])
+                            *(self._heads(x, bf) for x in (q, k, v)), ctx["params"])
         S, axis = ctx["S"], ctx["seq_axis"]
         if self.bias_k is not None:  # the appended bias_k / bias_v row, shared by the whole batch
             self.bias_k.grad_buffer()[...] += np.take(dk, [S], axis=axis).sum(axis=1 - axis).reshape(1, 1, -1)
