@@ -14,11 +14,11 @@
 namespace attnpp::ATTNPP_CPU_NS {
 namespace {
 
-constexpr int64_t kBlockL = 64;     // query rows per block of the backward
+constexpr int64_t kBackwardRows = 64;  // query rows per block of the backward
 // Query rows per task of the forward and the weights: each task packs every key block it sees, so that copy is
 // amortized over this many rows (64 rows: 15% of the forward's time at AVX2; 256, as PyTorch's CPU flash
 // attention for long sequences: 4%).
-constexpr int64_t kForwardL = 256;
+constexpr int64_t kForwardRows = 256;
 // Under a sliding window a block of R rows computes R x (R + window) scores for R x window visible ones: the
 // forward's task walks the keys in sub-blocks of this many rows, each over its own keys, all of them taken from
 // the task's keys packed once (up to kSharedPack elements of K and V: they stay in the L2 cache).
@@ -67,7 +67,7 @@ bool score_block(RowMat<T>& scores, std::common_type_t<RowMat<T>>* dcap, const T
                  int64_t j0, int64_t kt_col0 = 0) {
   const int64_t R = b.count();
   scores.resize(R, cols);
-  gemm(scores.data(), cols, q_blk, ldq, int64_t(1), kt, R, cols, cfg.D, cfg.scale, false, 0, kt_col0);
+  gemm(scores.data(), cols, row_major(q_blk, ldq), kt, R, cols, cfg.D, cfg.scale, Write::assign, 0, kt_col0);
   if (cfg.softcap > 0) {  // s = softcap * tanh(s / softcap)
     scores.array() = (scores.array() / cfg.softcap).tanh();
     if (dcap) dcap->array() = T(1) - scores.array().square();
@@ -156,7 +156,7 @@ T log_add_exp(T a, T b) {
 template <typename T>
 void sdpa_forward(const View4<T>& out, T* logsumexp, const View4<const T>& q, const View4<const T>& k,
                   const View4<const T>& v, const AttnConfig<T>& cfg) {
-  const int64_t bl = kForwardL, bs = key_block(cfg), g = cfg.group();  // bs: keys per block
+  const int64_t bl = kForwardRows, bs = key_block(cfg), g = cfg.group();  // bl: rows per task, bs: keys per block
   // One task: a block of query rows of (n, key/value head); the heads of the group share blocks when L is short.
   const int64_t heads_per_block = std::clamp<int64_t>(bl / std::max<int64_t>(cfg.L, 1), 1, std::max<int64_t>(g, 1));
   const int64_t row_blocks = ceil_div(cfg.L, bl), head_blocks = ceil_div(g, heads_per_block);
@@ -234,13 +234,14 @@ void sdpa_forward(const View4<T>& out, T* logsumexp, const View4<const T>& q, co
             // acc += p v_blk
             T* acc_rows = acc.data() + r0 * cfg.Dv;
             if (shared) {
-              gemm(acc_rows, cfg.Dv, s_blk.data(), cols, int64_t(1), vb, br, cfg.Dv, cols, T(1), true, j0 - span0);
+              gemm(acc_rows, cfg.Dv, row_major(s_blk.data(), cols), vb, br, cfg.Dv, cols, T(1), Write::accumulate,
+                   j0 - span0);
             } else if (br <= kFewRows) {
-              gemm_detail::gemm_rows(acc_rows, cfg.Dv, s_blk.data(), cols, int64_t(1), v.at(n, hk, vis.k0 + j0),
-                                     v.row, br, cfg.Dv, cols, T(1), true);
+              gemm_unpacked(acc_rows, cfg.Dv, row_major(s_blk.data(), cols), v.at(n, hk, vis.k0 + j0), v.row, br,
+                            cfg.Dv, cols, T(1), Write::accumulate);
             } else {
               pack_block(vb, v, n, hk, vis.k0 + j0, cols, cfg.Dv, false);
-              gemm(acc_rows, cfg.Dv, s_blk.data(), cols, int64_t(1), vb, br, cfg.Dv, cols, T(1), true);
+              gemm(acc_rows, cfg.Dv, row_major(s_blk.data(), cols), vb, br, cfg.Dv, cols, T(1), Write::accumulate);
             }
           }
         }
@@ -312,8 +313,8 @@ void sdpa_backward(const View4<T>& dq, const View4<T>& dk, const View4<T>& dv, T
           pack_block(vt, v, n, hk, vis.k0 + j0, width, cfg.Dv, true);
           pack_block(kp, k, n, hk, vis.k0 + j0, width, cfg.D, false);
           for (int64_t h = hk * cfg.group(); h < (hk + 1) * cfg.group(); ++h)
-            for (int64_t i0 = i_begin / kBlockL * kBlockL; i0 < i_end; i0 += kBlockL) {
-              const RowBlock b{n, h, 1, i0, std::min(kBlockL, vis.L - i0)};
+            for (int64_t i0 = i_begin / kBackwardRows * kBackwardRows; i0 < i_end; i0 += kBackwardRows) {
+              const RowBlock b{n, h, 1, i0, std::min(kBackwardRows, vis.L - i0)};
               const int64_t rows = b.rows, cols = std::min(width, vis.last_key(i0 + rows - 1) + 1 - j0);
               const T* q_blk = q.at(n, h, vis.q0 + i0);
               const T* do_blk = dout.at(n, h, vis.q0 + i0);
@@ -324,7 +325,7 @@ void sdpa_backward(const View4<T>& dq, const View4<T>& dk, const View4<T>& dv, T
               probs_from_lse(p_blk, lse);
               // dp_dropped = dout v^T            <- out = p_dropped v
               dp_blk.resize(rows, cols);
-              gemm(dp_blk.data(), cols, do_blk, dout.row, int64_t(1), vt, rows, cols, cfg.Dv, T(1), false);
+              gemm(dp_blk.data(), cols, row_major(do_blk, dout.row), vt, rows, cols, cfg.Dv, T(1), Write::assign);
               const RowMat<T>* p_used = &p_blk;  // the weights that multiplied v in the forward
               if (cfg.dropout_p > 0) {
                 pd_blk = p_blk;
@@ -334,18 +335,18 @@ void sdpa_backward(const View4<T>& dq, const View4<T>& dk, const View4<T>& dv, T
               }
               // dv += p_used^T dout
               pack_block(dop, dout, n, h, vis.q0 + i0, rows, cfg.Dv, false);
-              gemm(dv.at(n, hk, vis.k0 + j0), dv.row, p_used->data(), int64_t(1), cols, dop, cols, cfg.Dv, rows,
-                   T(1), true);
+              gemm(dv.at(n, hk, vis.k0 + j0), dv.row, transposed(p_used->data(), cols), dop, cols, cfg.Dv, rows,
+                   T(1), Write::accumulate);
               // ds = p * (dp - delta)            <- p = softmax(s)
               for (int64_t r = 0; r < rows; ++r) p_blk.row(r).array() *= dp_blk.row(r).array() - dlt[r];
               // ds_raw = ds * (1 - tanh^2)       <- s = softcap * tanh(s_raw / softcap)
               if (cfg.softcap > 0) p_blk.array() *= dcap.array();
               // dq += scale * ds k;  dk += scale * ds^T q   <- s_raw = scale * q k^T
-              gemm(dq.at(n, h, vis.q0 + i0), dq.row, p_blk.data(), cols, int64_t(1), kp, rows, cfg.D, cols,
-                   cfg.scale, true);
+              gemm(dq.at(n, h, vis.q0 + i0), dq.row, row_major(p_blk.data(), cols), kp, rows, cfg.D, cols,
+                   cfg.scale, Write::accumulate);
               pack_block(qp, q, n, h, vis.q0 + i0, rows, cfg.D, false);
-              gemm(dk.at(n, hk, vis.k0 + j0), dk.row, p_blk.data(), int64_t(1), cols, qp, cols, cfg.D, rows,
-                   cfg.scale, true);
+              gemm(dk.at(n, hk, vis.k0 + j0), dk.row, transposed(p_blk.data(), cols), qp, cols, cfg.D, rows,
+                   cfg.scale, Write::accumulate);
             }
         }
       },
@@ -355,7 +356,7 @@ void sdpa_backward(const View4<T>& dq, const View4<T>& dk, const View4<T>& dv, T
 template <typename T>
 void sdpa_weights(T* weights, const T* logsumexp, const View4<const T>& q, const View4<const T>& k,
                   const AttnConfig<T>& cfg, bool average_heads) {
-  const int64_t bs = key_block(cfg), q_blocks = ceil_div(cfg.L, kForwardL), k_blocks = ceil_div(cfg.S, bs);
+  const int64_t bs = key_block(cfg), q_blocks = ceil_div(cfg.L, kForwardRows), k_blocks = ceil_div(cfg.S, bs);
   const int64_t heads_out = average_heads ? 1 : cfg.Hq;
   parallel_for(
       cfg.N * heads_out * q_blocks, cfg.work(),
@@ -364,7 +365,7 @@ void sdpa_weights(T* weights, const T* logsumexp, const View4<const T>& q, const
         const Visible vis = cfg.seq(n);
         thread_local PackedB<T> kt;     // (D, Bc) k_blk^T
         thread_local RowMat<T> p_blk;   // (Br, Bc) weights
-        const int64_t i0 = qb * kForwardL, rows = std::min(kForwardL, cfg.L - i0);
+        const int64_t i0 = qb * kForwardRows, rows = std::min(kForwardRows, cfg.L - i0);
         // one head, or all of them summed in order (then divided by Hq, as PyTorch's mean over heads)
         const int64_t h_begin = average_heads ? 0 : ho, h_end = average_heads ? cfg.Hq : ho + 1;
         for (int64_t kb = 0; kb < k_blocks; ++kb) {
@@ -391,7 +392,7 @@ void sdpa_weights(T* weights, const T* logsumexp, const View4<const T>& q, const
       true);
 }
 
-#define ATTNPP_INSTANTIATE(T)                                                                                  \
+#define INSTANTIATE(T)                                                                                         \
   template void sdpa_forward<T>(const View4<T>&, T*, const View4<const T>&, const View4<const T>&,            \
                                 const View4<const T>&, const AttnConfig<T>&);                                 \
   template void sdpa_backward<T>(const View4<T>&, const View4<T>&, const View4<T>&, T*, const View4<const T>&, \
@@ -399,7 +400,6 @@ void sdpa_weights(T* weights, const T* logsumexp, const View4<const T>& q, const
                                  const View4<const T>&, const View4<const T>&, const AttnConfig<T>&);         \
   template void sdpa_weights<T>(T*, const T*, const View4<const T>&, const View4<const T>&,                   \
                                 const AttnConfig<T>&, bool);
-ATTNPP_INSTANTIATE(float)
-ATTNPP_INSTANTIATE(double)
+ATTNPP_FOR_BOTH_DTYPES(INSTANTIATE)
 
 }  // namespace attnpp::ATTNPP_CPU_NS

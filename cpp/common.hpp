@@ -86,6 +86,20 @@ void parallel_for(int64_t n, int64_t work, F&& body, bool dynamic = false) {
   if (error) std::rethrow_exception(error);
 }
 
+// body(begin, end) over the chunks of [0, n): parallel_for for element-wise loops, whose bodies stay plain
+// (vectorizable) loops over a chunk.
+template <typename F>
+void parallel_for_chunks(int64_t n, F&& body) {
+  constexpr int64_t kChunk = int64_t(1) << 14;  // elements per task
+  parallel_for(ceil_div(n, kChunk), n, [&](int64_t c) { body(c * kChunk, std::min(n, (c + 1) * kChunk)); });
+}
+
+// Explicit instantiation of a kernel file's templates for both dtypes: INSTANTIATE(T) is a macro of the file's
+// `template void f<T>(...);` lines.
+#define ATTNPP_FOR_BOTH_DTYPES(INSTANTIATE) \
+  INSTANTIATE(float)                        \
+  INSTANTIATE(double)
+
 enum class Causal : int { none = 0, top_left = 1, bottom_right = 2 };
 
 // The keys each query row of one sequence sees: query i (of L) sees keys [first_key(i), last_key(i)] (of S), an

@@ -56,8 +56,7 @@ double sum_exp_shifted(const T* x, int64_t n, T m) {
 template <typename T>
 void cross_entropy_forward(T* losses, T* stats, const T* input, const int64_t* target, int64_t N, int64_t C,
                            int64_t ignore_index) {
-#pragma omp parallel for schedule(static) if (worth_threads(N * C)) num_threads(thread_count())
-  for (int64_t i = 0; i < N; ++i) {
+  parallel_for(N, N * C, [&](int64_t i) {
     const T* row = input + i * C;
     const T m = Eigen::Map<const Eigen::Array<T, Eigen::Dynamic, 1>>(row, C).maxCoeff();
     const double log_sum = std::log(sum_exp_shifted(row, C, m));
@@ -65,35 +64,31 @@ void cross_entropy_forward(T* losses, T* stats, const T* input, const int64_t* t
     // loss_i = logsumexp_i - input[i, target_i] = (m - input[i, target_i]) + log_sum, in that order so that a
     // small loss is not lost next to a large m
     losses[i] = target[i] == ignore_index ? T(0) : T(double(m - row[target[i]]) + log_sum);
-  }
+  });
 }
 
 template <typename T>
 void cross_entropy_backward(T* dinput, const T* row_weight, const T* stats, const T* input, const int64_t* target,
                             int64_t N, int64_t C) {
-#pragma omp parallel for schedule(static) if (worth_threads(N * C)) num_threads(thread_count())
-  for (int64_t i = 0; i < N; ++i) {
+  parallel_for(N, N * C, [&](int64_t i) {
     const T *row = input + i * C, w = row_weight[i], m = stats[2 * i], log_sum = stats[2 * i + 1];
     T* drow = dinput + i * C;
     // dinput[i] = w * (softmax(input[i]) - onehot(target_i))   <- loss_i = logsumexp_i - input[i, target_i]
     if (w == T(0)) {
       std::fill(drow, drow + C, T(0));
-      continue;
+      return;
     }
     exp_shifted_chunks(row, C, m, log_sum, [&](int64_t c0, const T* p, int64_t len) {
       for (int64_t j = 0; j < len; ++j) drow[c0 + j] = w * p[j];
     });
     // at the target, p - 1 = expm1(log p): exact even when p is within an ulp of 1
     drow[target[i]] = w * std::expm1((row[target[i]] - m) - log_sum);
-  }
+  });
 }
 
-template void cross_entropy_forward<float>(float*, float*, const float*, const int64_t*, int64_t, int64_t, int64_t);
-template void cross_entropy_forward<double>(double*, double*, const double*, const int64_t*, int64_t, int64_t,
-                                            int64_t);
-template void cross_entropy_backward<float>(float*, const float*, const float*, const float*, const int64_t*,
-                                            int64_t, int64_t);
-template void cross_entropy_backward<double>(double*, const double*, const double*, const double*,
-                                             const int64_t*, int64_t, int64_t);
+#define INSTANTIATE(T)                                                                                     \
+  template void cross_entropy_forward<T>(T*, T*, const T*, const int64_t*, int64_t, int64_t, int64_t); \
+  template void cross_entropy_backward<T>(T*, const T*, const T*, const T*, const int64_t*, int64_t, int64_t);
+ATTNPP_FOR_BOTH_DTYPES(INSTANTIATE)
 
 }  // namespace attnpp::ATTNPP_CPU_NS

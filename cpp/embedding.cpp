@@ -7,8 +7,9 @@ namespace attnpp::ATTNPP_CPU_NS {
 
 template <typename T>
 void embedding_forward(T* out, const int64_t* index, const T* weight, int64_t N, int64_t E) {
-#pragma omp parallel for schedule(static) if (worth_threads(N * E)) num_threads(thread_count())
-  for (int64_t i = 0; i < N; ++i) std::copy(weight + index[i] * E, weight + (index[i] + 1) * E, out + i * E);
+  parallel_for(N, N * E, [&](int64_t i) {
+    std::copy(weight + index[i] * E, weight + (index[i] + 1) * E, out + i * E);
+  });
 }
 
 template <typename T>
@@ -19,9 +20,9 @@ void embedding_backward(T* dweight, const T* dout, const int64_t* index, int64_t
     for (int64_t e = 0; e < E; ++e) dweight[index[i] * E + e] += dout[i * E + e];
 }
 
-template void embedding_forward<float>(float*, const int64_t*, const float*, int64_t, int64_t);
-template void embedding_forward<double>(double*, const int64_t*, const double*, int64_t, int64_t);
-template void embedding_backward<float>(float*, const float*, const int64_t*, int64_t, int64_t);
-template void embedding_backward<double>(double*, const double*, const int64_t*, int64_t, int64_t);
+#define INSTANTIATE(T)                                                                      \
+  template void embedding_forward<T>(T*, const int64_t*, const T*, int64_t, int64_t); \
+  template void embedding_backward<T>(T*, const T*, const int64_t*, int64_t, int64_t);
+ATTNPP_FOR_BOTH_DTYPES(INSTANTIATE)
 
 }  // namespace attnpp::ATTNPP_CPU_NS

@@ -125,6 +125,25 @@ void gemm_rows(T* C, int64_t ldc, const T* A, int64_t ars, int64_t acs, const T*
 
 }  // namespace gemm_detail
 
+// The A operand of a product, (M, K): element (i, k) at data[i * rs + k * cs]. row_major(p, ld): a row-major
+// matrix with row stride ld; transposed(p, ld): the transpose of one (its element (i, k) is the matrix's (k, i)).
+template <typename T>
+struct Operand {
+  const T* data;
+  int64_t rs, cs;
+};
+template <typename T>
+Operand<T> row_major(const T* data, int64_t ld) {
+  return {data, ld, 1};
+}
+template <typename T>
+Operand<T> transposed(const T* data, int64_t ld) {
+  return {data, 1, ld};
+}
+
+// Whether a product overwrites its output (C = alpha A B) or adds into it (C += alpha A B).
+enum class Write { assign, accumulate };
+
 // The B operand of gemm, packed: B (K, N) in panels of kPanel columns (the last one narrower), panel j (the
 // columns [j, j + width(j))) being K rows of width(j) contiguous elements.
 template <typename T>
@@ -179,18 +198,25 @@ struct PackedB {
   const T* panel(int64_t j, int64_t k0 = 0) const { return data.get() + j * K + k0 * width(j); }  // from row k0
 };
 
-// C (M, N) = alpha * A B (accumulate = false) or C += alpha * A B (accumulate = true), B being rows
-// [k0, k0 + K) and columns [j0, j0 + N) of a packed matrix (a causal block uses part of the keys packed; the
-// projections, slices of k). A (M, K): element (i, k) at A[i * ars + k * acs]; C row stride ldc. j0: a multiple
-// of the panel width.
+// C (M, N) (+)= alpha * A (M, K) B (K, N), B being rows [k0, k0 + K) and columns [j0, j0 + N) of a packed matrix
+// (a causal block uses part of the keys packed; the projections, slices of k); C row-major, row stride ldc. j0: a
+// multiple of the panel width.
 template <typename T>
-void gemm(T* C, int64_t ldc, const T* A, int64_t ars, int64_t acs, const PackedB<T>& B, int64_t M, int64_t N,
-          int64_t K, T alpha, bool accumulate, int64_t k0 = 0, int64_t j0 = 0) {
+void gemm(T* C, int64_t ldc, Operand<T> A, const PackedB<T>& B, int64_t M, int64_t N, int64_t K, T alpha,
+          Write write, int64_t k0 = 0, int64_t j0 = 0) {
   for (int64_t j = 0; j < N; j += B.kPanel) {
     const int64_t w = B.width(j0 + j);
-    gemm_detail::gemm_rows(C + j, ldc, A, ars, acs, B.panel(j0 + j, k0), w, M, std::min(w, N - j), K, alpha,
-                           accumulate);
+    gemm_detail::gemm_rows(C + j, ldc, A.data, A.rs, A.cs, B.panel(j0 + j, k0), w, M, std::min(w, N - j), K, alpha,
+                           write == Write::accumulate);
   }
+}
+
+// The same product with B (K, N) row-major, row stride ldb, read where it lies: for a few rows of A, too few to
+// pay for a packed copy.
+template <typename T>
+void gemm_unpacked(T* C, int64_t ldc, Operand<T> A, const T* B, int64_t ldb, int64_t M, int64_t N, int64_t K,
+                   T alpha, Write write) {
+  gemm_detail::gemm_rows(C, ldc, A.data, A.rs, A.cs, B, ldb, M, N, K, alpha, write == Write::accumulate);
 }
 
 // a (rows, cols) contiguous -> a^T (cols, rows) contiguous, for a weight whose transpose a product wants as its B.
@@ -253,21 +279,24 @@ void dot_products(T* C, const T* A, int64_t lda, const T* Bt, int64_t ldbt, int6
   });
 }
 
-// The same product for large operands (the projections), B (K, N) with element (k, j) at B[k * brs + j * bcs]:
+// The same product for large operands (the projections), B (K, N) an Operand too (element (k, j) at
+// B.data[k * B.rs + j * B.cs]):
 // B packed once (in parallel, panel by panel) unless its rows are contiguous and C has a single block of rows
 // (then each row of B is read by a few tiles only, and the copy would cost more than it saves: the 30 x 50,257
 // logits' gradient of article 001's training), then C cut into blocks of (kMC, kNC) elements, run in parallel,
 // each walking k in slices of kKC so that its slice of A and of B stays in cache. Every element of C is written
 // by one thread, which sums over k in order: the result does not depend on the thread count.
 template <typename T>
-void gemm_parallel(T* C, int64_t ldc, const T* A, int64_t ars, int64_t acs, const T* B, int64_t brs, int64_t bcs,
-                   int64_t M, int64_t N, int64_t K, T alpha, bool accumulate) {
+void gemm_parallel(T* C, int64_t ldc, Operand<T> A, Operand<T> B, int64_t M, int64_t N, int64_t K, T alpha,
+                   Write write) {
   constexpr int64_t kMC = 120, kNC = 256, kKC = 256;  // kNC: a multiple of every level's panel width
+  const int64_t ars = A.rs, acs = A.cs, brs = B.rs, bcs = B.cs;
+  const bool accumulate = write == Write::accumulate;
   const bool packed = bcs != 1 || M > kMC;
   PackedB<T> b;
   if (packed) {
     b.resize(K, N);
-    parallel_for(ceil_div(N, b.kPanel), K * N, [&](int64_t p) { b.pack_panel(B, brs, bcs, p * b.kPanel); });
+    parallel_for(ceil_div(N, b.kPanel), K * N, [&](int64_t p) { b.pack_panel(B.data, brs, bcs, p * b.kPanel); });
   }
   const int64_t m_blocks = ceil_div(M, kMC), n_blocks = ceil_div(N, kNC);
   const int64_t k_slices = std::max<int64_t>(1, ceil_div(K, kKC));  // one (empty) slice when K = 0 zeroes C
@@ -279,12 +308,12 @@ void gemm_parallel(T* C, int64_t ldc, const T* A, int64_t ars, int64_t acs, cons
         for (int64_t s = 0; s < k_slices; ++s) {
           const int64_t k0 = s * kKC, kc = std::min(kKC, K - k0);
           T* c = C + i0 * ldc + j0;
-          const T* a = A + i0 * ars + k0 * acs;
+          const T* a = A.data + i0 * ars + k0 * acs;
+          const Write w = accumulate || s > 0 ? Write::accumulate : Write::assign;
           if (packed)
-            gemm(c, ldc, a, ars, acs, b, rows, cols, kc, alpha, accumulate || s > 0, k0, j0);
+            gemm(c, ldc, Operand<T>{a, ars, acs}, b, rows, cols, kc, alpha, w, k0, j0);
           else
-            gemm_detail::gemm_rows(c, ldc, a, ars, acs, B + k0 * brs + j0, brs, rows, cols, kc, alpha,
-                                   accumulate || s > 0);
+            gemm_unpacked(c, ldc, Operand<T>{a, ars, acs}, B.data + k0 * brs + j0, brs, rows, cols, kc, alpha, w);
         }
       },
       true);

@@ -19,8 +19,8 @@ template <typename T>
 void linear_forward(T* y, const T* x, const T* w, const T* b, int64_t M, int64_t Fin, int64_t Fout) {
   if (narrow<T>(Fout)) {  // y[i, j] = x[i, :] . w[j, :]
     dot_products(y, x, Fin, w, Fin, M, Fout, Fin, false);
-  } else {  // y = x w^T (w^T: element (f, o) at w[o * Fin + f])
-    gemm_parallel(y, Fout, x, Fin, int64_t(1), w, int64_t(1), Fin, M, Fout, Fin, T(1), false);
+  } else {  // y = x w^T
+    gemm_parallel(y, Fout, row_major(x, Fin), transposed(w, Fin), M, Fout, Fin, T(1), Write::assign);
   }
   if (b)
     for (int64_t r = 0; r < M; ++r)
@@ -38,14 +38,14 @@ void linear_backward(T* dx, T* dw, T* db, const T* dy, const T* x, const T* w, i
     }
     // dw^T = x^T dy (Fin, Fout), wide, then dw += (dw^T)^T
     std::unique_ptr<T[]> dwt(new T[Fin * Fout]);
-    gemm_parallel(dwt.get(), Fout, x, int64_t(1), Fin, dy, Fout, int64_t(1), Fin, Fout, M, T(1), false);
+    gemm_parallel(dwt.get(), Fout, transposed(x, Fin), row_major(dy, Fout), Fin, Fout, M, T(1), Write::assign);
     for (int64_t o = 0; o < Fout; ++o)
       for (int64_t f = 0; f < Fin; ++f) dw[o * Fin + f] += dwt[f * Fout + o];
   } else {
     // dx += dy w                            <- y = x w^T
-    if (dx) gemm_parallel(dx, Fin, dy, Fout, int64_t(1), w, Fin, int64_t(1), M, Fin, Fout, T(1), true);
+    if (dx) gemm_parallel(dx, Fin, row_major(dy, Fout), row_major(w, Fin), M, Fin, Fout, T(1), Write::accumulate);
     // dw += dy^T x                          <- y = x w^T
-    gemm_parallel(dw, Fin, dy, int64_t(1), Fout, x, Fin, int64_t(1), Fout, Fin, M, T(1), true);
+    gemm_parallel(dw, Fin, transposed(dy, Fout), row_major(x, Fin), Fout, Fin, M, T(1), Write::accumulate);
   }
   // db += sum over rows of dy               <- y += b
   // (a plain loop: Eigen's reductions over unaligned maps change order with the buffer's alignment)
@@ -54,12 +54,9 @@ void linear_backward(T* dx, T* dw, T* db, const T* dy, const T* x, const T* w, i
       for (int64_t c = 0; c < Fout; ++c) db[c] += dy[r * Fout + c];
 }
 
-template void linear_forward<float>(float*, const float*, const float*, const float*, int64_t, int64_t, int64_t);
-template void linear_forward<double>(double*, const double*, const double*, const double*, int64_t, int64_t,
-                                     int64_t);
-template void linear_backward<float>(float*, float*, float*, const float*, const float*, const float*, int64_t,
-                                     int64_t, int64_t);
-template void linear_backward<double>(double*, double*, double*, const double*, const double*, const double*,
-                                      int64_t, int64_t, int64_t);
+#define INSTANTIATE(T)                                                                             \
+  template void linear_forward<T>(T*, const T*, const T*, const T*, int64_t, int64_t, int64_t); \
+  template void linear_backward<T>(T*, T*, T*, const T*, const T*, const T*, int64_t, int64_t, int64_t);
+ATTNPP_FOR_BOTH_DTYPES(INSTANTIATE)
 
 }  // namespace attnpp::ATTNPP_CPU_NS

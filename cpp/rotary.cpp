@@ -66,15 +66,11 @@ void rotary_backward(const View4<T>& dx, const View4<const T>& dout, const T* co
   rotate<true>(dx, dout, cos, sin, T(-1), offsets, N, H, L, D, R2, interleaved);
 }
 
-template void rotary_forward<float>(const View4<float>&, const View4<const float>&, const float*, const float*,
-                                    const int64_t*, int64_t, int64_t, int64_t, int64_t, int64_t, bool);
-template void rotary_forward<double>(const View4<double>&, const View4<const double>&, const double*,
-                                     const double*, const int64_t*, int64_t, int64_t, int64_t, int64_t, int64_t,
-                                     bool);
-template void rotary_backward<float>(const View4<float>&, const View4<const float>&, const float*, const float*,
-                                     const int64_t*, int64_t, int64_t, int64_t, int64_t, int64_t, bool);
-template void rotary_backward<double>(const View4<double>&, const View4<const double>&, const double*,
-                                      const double*, const int64_t*, int64_t, int64_t, int64_t, int64_t, int64_t,
-                                      bool);
+#define INSTANTIATE(T)                                                                                     \
+  template void rotary_forward<T>(const View4<T>&, const View4<const T>&, const T*, const T*, const int64_t*,    \
+                                  int64_t, int64_t, int64_t, int64_t, int64_t, bool);                           \
+  template void rotary_backward<T>(const View4<T>&, const View4<const T>&, const T*, const T*, const int64_t*,   \
+                                   int64_t, int64_t, int64_t, int64_t, int64_t, bool);
+ATTNPP_FOR_BOTH_DTYPES(INSTANTIATE)
 
 }  // namespace attnpp::ATTNPP_CPU_NS
