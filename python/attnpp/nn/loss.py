@@ -1,5 +1,5 @@
 from .. import functional as F
-from .module import Module
+from .module import Module, locked
 
 
 class CrossEntropyLoss(Module):
@@ -24,11 +24,13 @@ class CrossEntropyLoss(Module):
         self.ignore_index = F.check_ignore_index(ignore_index)
         self.reduction = F.check_reduction(reduction)
 
+    @locked
     def forward(self, input, target):
         loss, stats = F.cross_entropy_forward(input, target, self.ignore_index, self.reduction)
         self._save_context(input=input, target=target, stats=stats, out_shape=loss.shape)
         return loss
 
+    @locked
     def backward(self, grad_output=1.0):
         ctx = self._consume_context(grad_output, lambda g, c: F.check_loss_grad(g, c["input"].dtype, c["out_shape"]))
         return F.cross_entropy_backward(grad_output, ctx["input"], ctx["target"], ctx["stats"], self.ignore_index,
