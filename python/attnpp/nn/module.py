@@ -1,5 +1,6 @@
 """The layer base class: parameters, gradients, modes and state dicts, as in torch.nn.Module."""
 import functools
+import numbers
 import threading
 import warnings
 from collections import namedtuple
@@ -176,23 +177,26 @@ class Module:
         for mname, m in self._modules.items():
             yield from m._named_state(prefix + mname + ".")
 
-    def _consume_context(self, grad_output, check=None):
-        """The most recent context not yet consumed, after checking ``grad_output`` against it (with
-        ``check(grad_output, ctx)`` when given; by default an array of the context's ``out_shape`` and dtype);
-        a refused call leaves it in place for a correct retry."""
+    def _consume_context(self, grad_output, number_for_0d=False):
+        """The most recent context not yet consumed, after checking ``grad_output`` against it: an array of the
+        context's ``out_shape`` and dtype (see ``_save_context``), or with ``number_for_0d`` (a loss's
+        ``backward(1.0)``) a real number when the output is 0-d. A refused call leaves the context in place for a
+        correct retry."""
         contexts = self._contexts
         if not contexts:
             raise ValueError(f"{type(self).__name__}.backward: no forward context left to consume in this thread "
                              f"(each backward consumes one forward run outside attnpp.no_grad(), most recent "
                              f"first)")
         ctx = contexts[-1]
-        if check is not None:
-            check(grad_output, ctx)
+        out_shape = ctx["out_shape"]
+        if number_for_0d and isinstance(grad_output, numbers.Real) and not isinstance(grad_output, (bool, np.bool_)):
+            got = () if out_shape == () else "a scalar"
         else:
             check_array(grad_output, "grad_output", dtype=ctx.get("dtype", self.dtype))
-            if grad_output.shape != ctx["out_shape"]:
-                raise ValueError(f"grad_output: expected the output's shape {ctx['out_shape']} (of the most recent "
-                                 f"forward not yet consumed), got {grad_output.shape}")
+            got = grad_output.shape
+        if got != out_shape:
+            raise ValueError(f"grad_output: expected the output's shape {out_shape} (of the most recent forward not "
+                             f"yet consumed), got {got}")
         contexts.pop()
         return ctx
 
