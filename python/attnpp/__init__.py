@@ -3,6 +3,7 @@
 Every attention variant has an autograd-free forward and a hand-written backward; outputs and gradients are
 checked against PyTorch. See ``attnpp.functional`` (stateless functions) and ``attnpp.nn`` (layers).
 """
+import importlib.metadata
 import numbers
 
 from ._core import get_num_threads
@@ -74,4 +75,6 @@ def empty_cache():
 
 __all__ = ["functional", "nn", "optim", "manual_seed", "get_rng_state", "set_rng_state", "no_grad", "enable_grad",
            "is_grad_enabled", "set_num_threads", "get_num_threads", "empty_cache", "cpu_capability", "show_config"]
-__version__ = "0.1.0"
+# The version is written once, in pyproject.toml; the install (scikit-build-core) copies it into the package's
+# metadata, read here. attnpp is importable only installed (its _core is built by the install, editable or not).
+__version__ = importlib.metadata.version("attnpp")

@@ -5,7 +5,7 @@ length, S key/value length, D query/key head width, Dv value head width.
 """
 import math
 import numbers
-from collections import namedtuple
+from typing import NamedTuple, Optional
 
 import numpy as np
 
@@ -374,7 +374,28 @@ class _Problem:
         return np.ascontiguousarray(g.reshape(x.shape))
 
 
-_ARGS_DOC = """
+class AttentionForward(NamedTuple):
+    """What ``scaled_dot_product_attention_forward`` (and the varlen forward) returns, to pass to the backward.
+
+    Attributes:
+        output (ndarray): (B..., Hq, L, Dv), or (L, Dv) unbatched; (Tq, Hq, Dv) from the varlen forward.
+        logsumexp (ndarray): (B..., Hq, L), or (L,) unbatched, the log of each row's softmax denominator (-inf
+            for a fully masked row); (Hq, Tq) from the varlen forward (FlashAttention's layout).
+        seed (int or None): the dropout seed used (the one given, or the one drawn when ``seed=None``); None
+            without dropout.
+    """
+    output: np.ndarray
+    logsumexp: np.ndarray
+    seed: Optional[int]
+
+
+def scaled_dot_product_attention_forward(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
+                                         scale=None, enable_gqa=False, *, seed=None,
+                                         causal_alignment="top_left", window=None, alibi_slopes=None, softcap=None, sinks=None):
+    """Attention forward that also returns what the backward needs.
+
+    ``softmax(scale * query key^T + attn_mask) value``, with dropout on the weights.
+
     Args:
         query (ndarray): (B..., Hq, L, D), or (L, D) unbatched; float32 or float64.
         key (ndarray): (B..., Hk, S, D), same dtype. B... broadcasts against the query's.
@@ -411,52 +432,7 @@ _ARGS_DOC = """
             Language Models with Attention Sinks", 2023): (Hq,), the query's dtype, a learned logit per head that
             joins every softmax's denominator and takes no value: the weights of a row sum to
             1 - exp(sink - logsumexp). The backward returns its gradient. Default: None.
-"""
-_ERRORS_DOC = """
-    Raises:
-        TypeError: an input that is not a float32/float64 ndarray (value is required but by the weights), mixed
-            dtypes, a mask of another dtype, is_causal or enable_gqa not a bool.
-        ValueError: shapes that do not agree or broadcast (named with their shapes), a mask that does not
-            broadcast to (B..., Hq, L, S), dropout_p outside [0, 1), attn_mask given with is_causal=True, a window
-            side below -1, a negative or infinite softcap, alibi_slopes or sinks of another shape than (Hq,).
-        MemoryError: a problem too large to allocate.
 
-    A query row whose keys are all masked gives output 0 and gradient 0, never NaN (as PyTorch >= 2.5).
-    NaN and inf propagate as in PyTorch's math backend (a NaN score makes its row NaN; a NaN value reaches every
-    query that weights its key), with one difference: a key of weight exactly 0 multiplies its value by 0 (so a
-    NaN there gives NaN, as in PyTorch) except where attnpp skips it: key blocks wholly above the causal
-    diagonal or masked, and fully masked rows (output 0). PyTorch's flash backend skips other keys, so its
-    backends differ there too. Large
-    scores do not overflow (the softmax subtracts each row's maximum); the backward and the weights, recomputed
-    from the rounded log-sum-exp, carry an extra relative error of about eps * |score| (FlashAttention-2's, and
-    PyTorch's flash backward's): float32 scores of 1e3 give about 1e-4.
-    Method: Vaswani et al., "Attention Is All You Need" (2017); computed as FlashAttention-2 (Dao, 2023): key
-    blocks with an online softmax, only the output and the log-sum-exp saved, so memory grows with L, not L*S.
-"""
-
-
-def scaled_dot_product_attention_forward(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
-                                         scale=None, enable_gqa=False, *, seed=None,
-                                         causal_alignment="top_left", window=None, alibi_slopes=None, softcap=None, sinks=None):
-    p = _Problem(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, seed, causal_alignment,
-                 window=window, alibi_slopes=alibi_slopes, softcap=softcap, sinks=sinks)
-    out = _empty((p.N, p.Hq, p.L, p.Dv), p.dtype)
-    lse = np.empty((p.N, p.Hq, p.L), p.dtype)
-    _core.sdpa_forward(out, lse, p.q4, p.k4, p.v4, p.params)
-    return AttentionForward(out.reshape(p.out_shape(p.L, p.Dv)), lse.reshape(p.out_shape(p.L)),
-                            p.seed if p.params.dropout_p > 0 else None)
-
-
-AttentionForward = namedtuple("AttentionForward", ["output", "logsumexp", "seed"])
-AttentionForward.__doc__ = """What ``scaled_dot_product_attention_forward`` returns: ``output``, ``logsumexp``, and
-``seed``, the dropout seed used (the one given, or the one drawn when ``seed=None``; None without dropout), to
-pass to the backward."""
-
-
-scaled_dot_product_attention_forward.__doc__ = """Attention forward that also returns what the backward needs.
-
-    ``softmax(scale * query key^T + attn_mask) value``, with dropout on the weights.
-""" + _ARGS_DOC + """
     Returns:
         ``AttentionForward(output, logsumexp, seed)``, a named tuple: output (B..., Hq, L, Dv) (or (L, Dv)
         unbatched); logsumexp (B..., Hq, L), the log of each row's softmax denominator (-inf for a fully masked
@@ -467,28 +443,165 @@ scaled_dot_product_attention_forward.__doc__ = """Attention forward that also re
     the broadcast batch shape), so a caller recovers the mask from the seed. Pass the returned seed to the
     backward: ``out, lse, seed = scaled_dot_product_attention_forward(q, k, v, dropout_p=0.1)``, then
     ``scaled_dot_product_attention_backward(grad, q, k, v, out, lse, dropout_p=0.1, seed=seed)``.
-""" + _ERRORS_DOC
+
+    Raises:
+        TypeError: query, key or value not a float32/float64 ndarray, mixed dtypes, a mask of another dtype,
+            is_causal or enable_gqa not a bool.
+        ValueError: shapes that do not agree or broadcast (named with their shapes), a mask that does not
+            broadcast to (B..., Hq, L, S), dropout_p outside [0, 1), attn_mask given with is_causal=True, a window
+            side below -1, a negative or infinite softcap, alibi_slopes or sinks of another shape than (Hq,).
+        MemoryError: a problem too large to allocate.
+
+    A query row whose keys are all masked gives output 0 and gradient 0, never NaN (as PyTorch >= 2.5).
+    NaN and inf propagate as in PyTorch's math backend (a NaN score makes its row NaN; a NaN value reaches every
+    query that weights its key), with one difference: a key of weight exactly 0 multiplies its value by 0 (so a
+    NaN there gives NaN, as in PyTorch) except where attnpp skips it: key blocks wholly above the causal
+    diagonal or masked, and fully masked rows (output 0). PyTorch's flash backend skips other keys, so its
+    backends differ there too. Large scores do not overflow (the softmax subtracts each row's maximum); the
+    backward and the weights, recomputed from the rounded log-sum-exp, carry an extra relative error of about
+    eps * |score| (FlashAttention-2's, and PyTorch's flash backward's): float32 scores of 1e3 give about 1e-4.
+
+    Method: Vaswani et al., "Attention Is All You Need" (2017); computed as FlashAttention-2 (Dao, 2023): key
+    blocks with an online softmax, only the output and the log-sum-exp saved, so memory grows with L, not L*S.
+    """
+    p = _Problem(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, seed, causal_alignment,
+                 window=window, alibi_slopes=alibi_slopes, softcap=softcap, sinks=sinks)
+    out = _empty((p.N, p.Hq, p.L, p.Dv), p.dtype)
+    lse = np.empty((p.N, p.Hq, p.L), p.dtype)
+    _core.sdpa_forward(out, lse, p.q4, p.k4, p.v4, p.params)
+    return AttentionForward(out.reshape(p.out_shape(p.L, p.Dv)), lse.reshape(p.out_shape(p.L)),
+                            p.seed if p.params.dropout_p > 0 else None)
 
 
 def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
                                  enable_gqa=False, *, seed=None, causal_alignment="top_left", window=None, alibi_slopes=None, softcap=None, sinks=None):
+    """Scaled dot-product attention, as ``torch.nn.functional.scaled_dot_product_attention``.
+
+    ``softmax(scale * query key^T + attn_mask) value``, with dropout on the weights. For training, the forward
+    that also returns what the backward needs is ``scaled_dot_product_attention_forward``.
+
+    Args:
+        query (ndarray): (B..., Hq, L, D), or (L, D) unbatched; float32 or float64.
+        key (ndarray): (B..., Hk, S, D), same dtype. B... broadcasts against the query's.
+        value (ndarray): (B..., Hv, S, Dv), same dtype; Hv = Hk unless ``enable_gqa``.
+        attn_mask (ndarray, optional): broadcastable to (B..., Hq, L, S), any number of dimensions (a 1-D mask
+            (S,) applies to every query). Boolean: True where a key *takes part* (False masks it out). Float (the
+            query's dtype): added to the scores. Default: None.
+        dropout_p (float): probability of zeroing each attention weight, in [0, 1); the kept ones are scaled by
+            1 / (1 - dropout_p). Default: 0.0.
+        is_causal (bool): mask the keys after each query (upper triangle), aligned top-left when L != S, as in
+            PyTorch (see ``causal_alignment``). Needs ``attn_mask=None``. Default: False.
+        scale (float, optional): factor on q k^T. Default: 1 / sqrt(D).
+        enable_gqa (bool): grouped-query attention: Hq a multiple of Hk and of Hv, query head h uses key head
+            h // (Hq // Hk) and value head h // (Hq // Hv), as PyTorch. Default: False (then H broadcasts like
+            the batch dimensions).
+        seed (int, optional): dropout seed. The same seed gives the same mask, whatever the thread count. None
+            draws one from attnpp's global generator (see ``attnpp.manual_seed``). Default: None.
+        causal_alignment (str): ``"top_left"`` (PyTorch's ``is_causal``: query i sees keys j <= i) or
+            ``"bottom_right"`` (query i sees keys j <= i + S - L, like ``causal_lower_right``). Default:
+            ``"top_left"``.
+        window (tuple of 2 ints, optional): sliding-window (local) attention, FlashAttention's ``window_size``
+            (Beltagy et al., "Longformer", 2020; Mistral 7B): ``(left, right)``, query i sees keys j with
+            i + S - L - left <= j <= i + S - L + right (positions aligned bottom-right, as FlashAttention); -1
+            leaves a side unbounded. Combines with ``is_causal`` (a causal window of w: ``is_causal=True,
+            window=(w, 0)``) and the masks. The key blocks outside every row's window are skipped: the work
+            follows the visible area. Default: None.
+        alibi_slopes (ndarray, optional): ALiBi (Press et al., "Train Short, Test Long", 2022), one slope per
+            query head, (Hq,) or (B..., Hq), any float dtype (used in the query's): adds
+            -slope * |i + S - L - j| to the scores (FlashAttention's convention). ``get_alibi_slopes(Hq)`` gives
+            the paper's slopes. Default: None.
+        softcap (float, optional): logit soft-capping (Gemma 2, Team Gemma 2024): the scores become
+            ``softcap * tanh(scores / softcap)`` before the masks and ALiBi are added. Default: None (no cap).
+        sinks (ndarray, optional): attention sinks (gpt-oss, OpenAI 2025; Xiao et al., "Efficient Streaming
+            Language Models with Attention Sinks", 2023): (Hq,), the query's dtype, a learned logit per head that
+            joins every softmax's denominator and takes no value: the weights of a row sum to
+            1 - exp(sink - logsumexp). The backward returns its gradient. Default: None.
+
+    Returns:
+        output (ndarray): (B..., Hq, L, Dv), or (L, Dv) unbatched.
+
+    Raises:
+        TypeError: query, key or value not a float32/float64 ndarray, mixed dtypes, a mask of another dtype,
+            is_causal or enable_gqa not a bool.
+        ValueError: shapes that do not agree or broadcast (named with their shapes), a mask that does not
+            broadcast to (B..., Hq, L, S), dropout_p outside [0, 1), attn_mask given with is_causal=True, a window
+            side below -1, a negative or infinite softcap, alibi_slopes or sinks of another shape than (Hq,).
+        MemoryError: a problem too large to allocate.
+
+    A query row whose keys are all masked gives output 0 and gradient 0, never NaN (as PyTorch >= 2.5).
+    NaN and inf propagate as in PyTorch's math backend (a NaN score makes its row NaN; a NaN value reaches every
+    query that weights its key), with one difference: a key of weight exactly 0 multiplies its value by 0 (so a
+    NaN there gives NaN, as in PyTorch) except where attnpp skips it: key blocks wholly above the causal
+    diagonal or masked, and fully masked rows (output 0). PyTorch's flash backend skips other keys, so its
+    backends differ there too. Large scores do not overflow (the softmax subtracts each row's maximum); the
+    backward and the weights, recomputed from the rounded log-sum-exp, carry an extra relative error of about
+    eps * |score| (FlashAttention-2's, and PyTorch's flash backward's): float32 scores of 1e3 give about 1e-4.
+
+    Method: Vaswani et al., "Attention Is All You Need" (2017); computed as FlashAttention-2 (Dao, 2023): key
+    blocks with an online softmax, only the output and the log-sum-exp saved, so memory grows with L, not L*S.
+    """
     return scaled_dot_product_attention_forward(query, key, value, attn_mask, dropout_p, is_causal, scale,
                                                 enable_gqa, seed=seed, causal_alignment=causal_alignment,
                                                 window=window, alibi_slopes=alibi_slopes, softcap=softcap, sinks=sinks)[0]
 
 
-scaled_dot_product_attention.__doc__ = """Scaled dot-product attention, as ``torch.nn.functional.scaled_dot_product_attention``.
-
-    ``softmax(scale * query key^T + attn_mask) value``, with dropout on the weights.
-""" + _ARGS_DOC + """
-    Returns:
-        output (ndarray): (B..., Hq, L, Dv), or (L, Dv) unbatched.
-""" + _ERRORS_DOC
-
-
 def scaled_dot_product_attention_backward(grad_output, query, key, value, output, logsumexp, attn_mask=None,
                                           dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False, *,
                                           seed=None, causal_alignment="top_left", window=None, alibi_slopes=None, softcap=None, sinks=None):
+    """Gradients of ``scaled_dot_product_attention_forward``.
+
+    Recomputes each block of attention weights from ``logsumexp`` (FlashAttention-2's backward): memory grows
+    with L, not L*S.
+
+    Args:
+        grad_output (ndarray): (B..., Hq, L, Dv) (or (L, Dv) unbatched), the gradient of the loss with respect
+            to ``output``; the inputs' dtype.
+        query (ndarray): (B..., Hq, L, D), or (L, D) unbatched, the forward's; float32 or float64.
+        key (ndarray): (B..., Hk, S, D), the forward's.
+        value (ndarray): (B..., Hv, S, Dv), the forward's.
+        output (ndarray): (B..., Hq, L, Dv), the forward's output.
+        logsumexp (ndarray): (B..., Hq, L), the forward's log-sum-exp.
+        attn_mask (ndarray, optional): as given to the forward: broadcastable to (B..., Hq, L, S); boolean True
+            where a key *takes part*, or float added to the scores. Default: None.
+        dropout_p (float): as given to the forward, in [0, 1). Default: 0.0.
+        is_causal (bool): as given to the forward. Default: False.
+        scale (float, optional): as given to the forward. Default: 1 / sqrt(D).
+        enable_gqa (bool): as given to the forward (grouped-query attention). Default: False.
+        seed (int): the forward's dropout seed (the ``seed`` of its ``AttentionForward``); required when
+            dropout_p > 0 (ValueError otherwise).
+        causal_alignment (str): as given to the forward, ``"top_left"`` or ``"bottom_right"``. Default:
+            ``"top_left"``.
+        window (tuple of 2 ints, optional): as given to the forward (sliding window ``(left, right)``).
+            Default: None.
+        alibi_slopes (ndarray, optional): as given to the forward, (Hq,) or (B..., Hq). Default: None.
+        softcap (float, optional): as given to the forward. Default: None.
+        sinks (ndarray, optional): as given to the forward, (Hq,); its gradient is returned. Default: None.
+
+    Returns:
+        (grad_query, grad_key, grad_value), each of its input's shape (summed over broadcast dimensions); with
+        ``sinks``, (grad_query, grad_key, grad_value, grad_sinks), grad_sinks (Hq,).
+
+    Raises:
+        TypeError: an input that is not a float32/float64 ndarray, mixed dtypes (grad_output, output and
+            logsumexp included), a mask of another dtype, is_causal or enable_gqa not a bool.
+        ValueError: shapes that do not agree or broadcast (named with their shapes), grad_output, output or
+            logsumexp not of the forward's output shapes, a mask that does not broadcast to (B..., Hq, L, S),
+            dropout_p outside [0, 1), dropout without a seed, attn_mask given with is_causal=True, a window side
+            below -1, a negative or infinite softcap, alibi_slopes or sinks of another shape than (Hq,).
+        MemoryError: a problem too large to allocate.
+
+    A query row whose keys are all masked gives output 0 and gradient 0, never NaN (as PyTorch >= 2.5).
+    NaN and inf propagate as in PyTorch's math backend (a NaN score makes its row NaN; a NaN value reaches every
+    query that weights its key), with one difference: a key of weight exactly 0 multiplies its value by 0 (so a
+    NaN there gives NaN, as in PyTorch) except where attnpp skips it: key blocks wholly above the causal
+    diagonal or masked, and fully masked rows (output 0). PyTorch's flash backend skips other keys, so its
+    backends differ there too. Large scores do not overflow (the softmax subtracts each row's maximum); the
+    backward and the weights, recomputed from the rounded log-sum-exp, carry an extra relative error of about
+    eps * |score| (FlashAttention-2's, and PyTorch's flash backward's): float32 scores of 1e3 give about 1e-4.
+
+    Method: Vaswani et al., "Attention Is All You Need" (2017); computed as FlashAttention-2 (Dao, 2023): key
+    blocks with an online softmax, only the output and the log-sum-exp saved, so memory grows with L, not L*S.
+    """
     p = _Problem(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, seed, causal_alignment,
                  need_seed=True, window=window, alibi_slopes=alibi_slopes, softcap=softcap, sinks=sinks)
     arrays = []
@@ -511,31 +624,76 @@ def scaled_dot_product_attention_backward(grad_output, query, key, value, output
     return grads if dsinks is None else grads + (dsinks,)
 
 
-scaled_dot_product_attention_backward.__doc__ = """Gradients of ``scaled_dot_product_attention_forward``.
-
-    Recomputes each block of attention weights from ``logsumexp`` (FlashAttention-2's backward): memory grows
-    with L, not L*S.
-
-    Args:
-        grad_output (ndarray): (B..., Hq, L, Dv) (or (L, Dv) unbatched), the gradient of the loss with respect
-            to ``output``; the inputs' dtype.
-        query, key, value (ndarray): the forward's inputs.
-        output (ndarray): (B..., Hq, L, Dv), the forward's output.
-        logsumexp (ndarray): (B..., Hq, L), the forward's log-sum-exp.
-        attn_mask, dropout_p, is_causal, scale, enable_gqa, causal_alignment: exactly as given to the forward.
-        seed (int): the forward's dropout seed; required when dropout_p > 0 (ValueError otherwise).
-
-        window, alibi_slopes, softcap, sinks: as given to the forward.
-
-    Returns:
-        (grad_query, grad_key, grad_value), each of its input's shape (summed over broadcast dimensions); with
-        ``sinks``, (grad_query, grad_key, grad_value, grad_sinks), grad_sinks (Hq,).
-""" + _ERRORS_DOC
-
 
 def scaled_dot_product_attention_weights(query, key, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
                                          enable_gqa=False, *, seed=None, causal_alignment="top_left",
                                          logsumexp=None, window=None, alibi_slopes=None, softcap=None, sinks=None):
+    """The attention weights ``softmax(scale * query key^T + attn_mask)``.
+
+    Materializes (B..., Hq, L, S): for inspection and plots, not needed by the forward or backward. With
+    dropout_p > 0 the weights are those after dropout (zeros and 1 / (1 - dropout_p) scaling), for ``seed``.
+
+    Args:
+        query (ndarray): (B..., Hq, L, D), or (L, D) unbatched; float32 or float64.
+        key (ndarray): (B..., Hk, S, D), same dtype. B... broadcasts against the query's.
+        attn_mask (ndarray, optional): broadcastable to (B..., Hq, L, S), any number of dimensions (a 1-D mask
+            (S,) applies to every query). Boolean: True where a key *takes part* (False masks it out). Float (the
+            query's dtype): added to the scores. Default: None.
+        dropout_p (float): probability of zeroing each attention weight, in [0, 1); the kept ones are scaled by
+            1 / (1 - dropout_p). Default: 0.0.
+        is_causal (bool): mask the keys after each query (upper triangle), aligned top-left when L != S, as in
+            PyTorch (see ``causal_alignment``). Needs ``attn_mask=None``. Default: False.
+        scale (float, optional): factor on q k^T. Default: 1 / sqrt(D).
+        enable_gqa (bool): grouped-query attention: Hq a multiple of Hk, query head h uses key head
+            h // (Hq // Hk), as PyTorch. Default: False (then H broadcasts like the batch dimensions).
+        seed (int, optional): dropout seed (the forward's, for the weights it used). The same seed gives the
+            same mask, whatever the thread count. None draws one from attnpp's global generator (see
+            ``attnpp.manual_seed``). Default: None.
+        causal_alignment (str): ``"top_left"`` (PyTorch's ``is_causal``: query i sees keys j <= i) or
+            ``"bottom_right"`` (query i sees keys j <= i + S - L, like ``causal_lower_right``). Default:
+            ``"top_left"``.
+        window (tuple of 2 ints, optional): sliding-window (local) attention, FlashAttention's ``window_size``
+            (Beltagy et al., "Longformer", 2020; Mistral 7B): ``(left, right)``, query i sees keys j with
+            i + S - L - left <= j <= i + S - L + right (positions aligned bottom-right, as FlashAttention); -1
+            leaves a side unbounded. Combines with ``is_causal`` (a causal window of w: ``is_causal=True,
+            window=(w, 0)``) and the masks. The key blocks outside every row's window are skipped: the work
+            follows the visible area. Default: None.
+        alibi_slopes (ndarray, optional): ALiBi (Press et al., "Train Short, Test Long", 2022), one slope per
+            query head, (Hq,) or (B..., Hq), any float dtype (used in the query's): adds
+            -slope * |i + S - L - j| to the scores (FlashAttention's convention). ``get_alibi_slopes(Hq)`` gives
+            the paper's slopes. Default: None.
+        softcap (float, optional): logit soft-capping (Gemma 2, Team Gemma 2024): the scores become
+            ``softcap * tanh(scores / softcap)`` before the masks and ALiBi are added. Default: None (no cap).
+        sinks (ndarray, optional): attention sinks (gpt-oss, OpenAI 2025; Xiao et al., "Efficient Streaming
+            Language Models with Attention Sinks", 2023): (Hq,), the query's dtype, a learned logit per head that
+            joins every softmax's denominator and takes no value: the weights of a row sum to
+            1 - exp(sink - logsumexp). Default: None.
+        logsumexp (ndarray, optional): (B..., Hq, L), the forward's, saves recomputing it. Default: None.
+
+    Returns:
+        weights (ndarray): (B..., Hq, L, S), or (L, S) unbatched; fully masked rows are 0.
+
+    Raises:
+        TypeError: query or key not a float32/float64 ndarray, mixed dtypes (logsumexp included), a mask of
+            another dtype, is_causal or enable_gqa not a bool.
+        ValueError: shapes that do not agree or broadcast (named with their shapes), a logsumexp not of shape
+            (B..., Hq, L), a mask that does not broadcast to (B..., Hq, L, S), dropout_p outside [0, 1),
+            attn_mask given with is_causal=True, a window side below -1, a negative or infinite softcap,
+            alibi_slopes or sinks of another shape than (Hq,).
+        MemoryError: a problem too large to allocate (the weights are checked first, before any work).
+
+    A query row whose keys are all masked gives output 0 and gradient 0, never NaN (as PyTorch >= 2.5).
+    NaN and inf propagate as in PyTorch's math backend (a NaN score makes its row NaN; a NaN value reaches every
+    query that weights its key), with one difference: a key of weight exactly 0 multiplies its value by 0 (so a
+    NaN there gives NaN, as in PyTorch) except where attnpp skips it: key blocks wholly above the causal
+    diagonal or masked, and fully masked rows (output 0). PyTorch's flash backend skips other keys, so its
+    backends differ there too. Large scores do not overflow (the softmax subtracts each row's maximum); the
+    backward and the weights, recomputed from the rounded log-sum-exp, carry an extra relative error of about
+    eps * |score| (FlashAttention-2's, and PyTorch's flash backward's): float32 scores of 1e3 give about 1e-4.
+
+    Method: Vaswani et al., "Attention Is All You Need" (2017); computed as FlashAttention-2 (Dao, 2023): key
+    blocks with an online softmax, only the output and the log-sum-exp saved, so memory grows with L, not L*S.
+    """
     p = _Problem(query, key, None, attn_mask, dropout_p, is_causal, scale, enable_gqa, seed, causal_alignment,
                  has_value=False, window=window, alibi_slopes=alibi_slopes, softcap=softcap, sinks=sinks)
     weights = _empty((p.N, p.Hq, p.L, p.S), p.dtype)  # first: a MemoryError before any work
@@ -550,18 +708,6 @@ def scaled_dot_product_attention_weights(query, key, attn_mask=None, dropout_p=0
     _core.sdpa_weights(weights, lse, p.q4, p.k4, p.params)
     return weights.reshape(p.out_shape(p.L, p.S))
 
-
-scaled_dot_product_attention_weights.__doc__ = """The attention weights ``softmax(scale * query key^T + attn_mask)``.
-
-    Materializes (B..., Hq, L, S): for inspection and plots, not needed by the forward or backward. With
-    dropout_p > 0 the weights are those after dropout (zeros and 1 / (1 - dropout_p) scaling), for ``seed``.
-
-    Args: as ``scaled_dot_product_attention`` without ``value``; ``logsumexp`` (B..., Hq, L), optional, the
-    forward's, saves recomputing it.
-
-    Returns:
-        weights (ndarray): (B..., Hq, L, S), or (L, S) unbatched; fully masked rows are 0.
-""" + _ERRORS_DOC
 
 
 # ------------------------------------------------------------------------------ packed sequences, KV cache
@@ -1220,26 +1366,8 @@ def _rotary_args(input, cos, sin, interleaved, position_offset, name):
     return x4, np.ascontiguousarray(cos), np.ascontiguousarray(sin), offsets, interleaved
 
 
-_ROTARY_ERRORS = """
-    Raises:
-        TypeError: a non-float input, cos or sin of another dtype than the input's, interleaved not a bool,
-            position_offset neither an int nor an integer array.
-        ValueError: cos and sin of different shapes or not 2-D, R > D, P < position_offset + L, a negative
-            position_offset, an offset array not of shape (B,) or given with an input that is not 4-D.
-
-    Source: Su et al., "RoFormer: Enhanced Transformer with Rotary Position Embedding" (2021); the arguments
-    follow FlashAttention's ``apply_rotary_emb`` (``flash_attn.layers.rotary``).
-"""
-
-
 def rotary_embedding(input, cos, sin, *, interleaved=False, position_offset=0):
-    x4, cos, sin, offsets, interleaved = _rotary_args(input, cos, sin, interleaved, position_offset, "input")
-    out = _empty(x4.shape, x4.dtype)
-    _core.rotary_forward(out, x4, cos, sin, offsets, interleaved)
-    return out.reshape(input.shape)
-
-
-rotary_embedding.__doc__ = """Rotary position embeddings (RoPE): rotate pairs of features by angles of the position.
+    """Rotary position embeddings (RoPE): rotate pairs of features by angles of the position.
 
     For the token at position p and each pair (a, b) of its first R features, with c = cos[p, d] and
     s = sin[p, d] for pair d: ``out[a] = x[a] c - x[b] s``, ``out[b] = x[b] c + x[a] s``; ``out[R:] = x[R:]``.
@@ -1259,18 +1387,24 @@ rotary_embedding.__doc__ = """Rotary position embeddings (RoPE): rotate pairs of
 
     Returns:
         ndarray of input's shape and dtype (a new array).
-""" + _ROTARY_ERRORS
+
+    Raises:
+        TypeError: a non-float input, cos or sin of another dtype than the input's, interleaved not a bool,
+            position_offset neither an int nor an integer array.
+        ValueError: cos and sin of different shapes or not 2-D, R > D, P < position_offset + L, a negative
+            position_offset, an offset array not of shape (B,) or given with an input that is not 4-D.
+
+    Source: Su et al., "RoFormer: Enhanced Transformer with Rotary Position Embedding" (2021); the arguments
+    follow FlashAttention's ``apply_rotary_emb`` (``flash_attn.layers.rotary``).
+    """
+    x4, cos, sin, offsets, interleaved = _rotary_args(input, cos, sin, interleaved, position_offset, "input")
+    out = _empty(x4.shape, x4.dtype)
+    _core.rotary_forward(out, x4, cos, sin, offsets, interleaved)
+    return out.reshape(input.shape)
 
 
 def rotary_embedding_backward(grad_output, cos, sin, *, interleaved=False, position_offset=0):
-    g4, cos, sin, offsets, interleaved = _rotary_args(grad_output, cos, sin, interleaved, position_offset,
-                                                      "grad_output")
-    grad = _zeros(g4.shape, g4.dtype)
-    _core.rotary_backward(grad, g4, cos, sin, offsets, interleaved)
-    return grad.reshape(grad_output.shape)
-
-
-rotary_embedding_backward.__doc__ = """Gradient of ``rotary_embedding`` with respect to its input.
+    """Gradient of ``rotary_embedding`` with respect to its input.
 
     The rotation's transpose: grad_output rotated by the opposite angles (sin -> -sin); the features R.. pass
     through. Needs nothing saved by the forward.
@@ -1278,8 +1412,26 @@ rotary_embedding_backward.__doc__ = """Gradient of ``rotary_embedding`` with res
     Args:
         grad_output (ndarray): (B..., H, L, D), or (L, D) unbatched, float32 or float64: the gradient of the loss
             with respect to the forward's output.
-        cos, sin, interleaved, position_offset: exactly as given to ``rotary_embedding``.
+        cos, sin (ndarray): (P, R/2), grad_output's dtype: the tables given to ``rotary_embedding``.
+        interleaved (bool): as given to ``rotary_embedding``: pairs (2d, 2d + 1) if True (GPT-J), (d, d + R/2)
+            if False (GPT-NeoX, Llama). Default: False.
+        position_offset (int or ndarray): as given to ``rotary_embedding``: the position of row 0, an int or an
+            integer array (B,) for a 4-D grad_output (B, H, L, D). Default: 0.
 
     Returns:
         grad_input (ndarray): grad_output's shape and dtype.
-""" + _ROTARY_ERRORS.replace("a non-float input", "a non-float grad_output")
+
+    Raises:
+        TypeError: a non-float grad_output, cos or sin of another dtype than grad_output's, interleaved not a
+            bool, position_offset neither an int nor an integer array.
+        ValueError: cos and sin of different shapes or not 2-D, R > D, P < position_offset + L, a negative
+            position_offset, an offset array not of shape (B,) or given with a grad_output that is not 4-D.
+
+    Source: Su et al., "RoFormer: Enhanced Transformer with Rotary Position Embedding" (2021); the arguments
+    follow FlashAttention's ``apply_rotary_emb`` (``flash_attn.layers.rotary``).
+    """
+    g4, cos, sin, offsets, interleaved = _rotary_args(grad_output, cos, sin, interleaved, position_offset,
+                                                      "grad_output")
+    grad = _zeros(g4.shape, g4.dtype)
+    _core.rotary_backward(grad, g4, cos, sin, offsets, interleaved)
+    return grad.reshape(grad_output.shape)

@@ -11,7 +11,7 @@ from ..grad_mode import no_grad
 from .dropout import Dropout
 from .kv_cache import KVCache
 from .linear import Linear
-from .module import IncompatibleKeys, Module, to_numpy
+from .module import IncompatibleKeys, Module, locked, to_numpy
 
 _LAYOUTS = ("linear", "matmul")
 
@@ -376,6 +376,7 @@ class Attention(Module):
         state.pop("_rotary_tables", None)
         return state
 
+    @locked
     def forward(self, x, context=None, key_padding_mask=None, need_weights=False, *, seed=None, kv_cache=None):
         """Attend from ``x`` to ``context`` (or to ``x`` itself).
 
@@ -523,6 +524,7 @@ class Attention(Module):
         return y
 
     # ---------------------------------------------------------------------------------------------- backward
+    @locked
     def backward(self, grad_output):
         """Gradients of the most recent ``forward`` not yet consumed (one context per forward outside
         ``attnpp.no_grad()``, consumed last-in first-out: see ``attnpp.nn.Module``; a forward with a

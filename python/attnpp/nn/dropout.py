@@ -1,6 +1,6 @@
 from .. import functional as F
 from .._seeds import check_seed
-from .module import Module
+from .module import Module, locked
 
 
 class Dropout(Module):
@@ -25,6 +25,7 @@ class Dropout(Module):
         self.p = F.check_probability(p, "p")
         self.last_seed = None
 
+    @locked
     def forward(self, input, *, seed=None):
         input = F.check_array(input, "input")
         seed = check_seed(seed) if self.training and self.p > 0 else None
@@ -33,6 +34,7 @@ class Dropout(Module):
         self._save_context(out_shape=input.shape, dtype=input.dtype, seed=seed)
         return out
 
+    @locked
     def backward(self, grad_output):
         seed = self._consume_context(grad_output)["seed"]  # (not last_seed: another thread may have run since)
         if seed is None:

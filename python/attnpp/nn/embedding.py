@@ -1,6 +1,6 @@
 from .. import functional as F
 from .._seeds import generator
-from .module import Module
+from .module import Module, locked
 
 
 class Embedding(Module):
@@ -30,11 +30,13 @@ class Embedding(Module):
         self.register_parameter("weight", (self.num_embeddings, self.embedding_dim))
         self.weight.data[...] = generator().standard_normal(self.weight.shape)
 
+    @locked
     def forward(self, input):
         out = F.embedding(input, self.weight.data)
         self._save_context(input=input, out_shape=out.shape)
         return out
 
+    @locked
     def backward(self, grad_output):
         F.embedding_backward(grad_output, self._consume_context(grad_output)["input"], self.weight.grad_buffer())
 

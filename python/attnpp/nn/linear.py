@@ -2,7 +2,7 @@ import math
 
 from .. import functional as F
 from .._seeds import generator
-from .module import Module
+from .module import Module, locked
 
 
 class Linear(Module):
@@ -36,6 +36,7 @@ class Linear(Module):
         for p in self.parameters():
             p.data[...] = generator().uniform(-bound, bound, p.shape)
 
+    @locked
     def forward(self, input):
         """input (*, Fin) -> (*, Fout)."""
         input = F.check_array(input, "input", min_ndim=1, dtype=self.dtype)
@@ -46,6 +47,7 @@ class Linear(Module):
         self._save_context(input=input, out_shape=out.shape)
         return out
 
+    @locked
     def backward(self, grad_output):
         """grad_output (*, Fout) -> grad_input (*, Fin); accumulates into weight.grad and bias.grad."""
         x = self._consume_context(grad_output)["input"]

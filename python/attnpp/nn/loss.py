@@ -1,5 +1,5 @@
 from .. import functional as F
-from .module import Module
+from .module import Module, locked
 
 
 class CrossEntropyLoss(Module):
@@ -11,12 +11,13 @@ class CrossEntropyLoss(Module):
 
     ``forward(input (N, C) or (C,), target (N,) or ())`` returns the loss (a 0-d array, or (N,) for "none");
     ``backward(grad_output=1.0)`` returns the gradient of the input (N, C): grad_output is a number or an array
-    of the loss's shape and the input's dtype. See ``attnpp.functional.cross_entropy`` for the errors raised.
+    of the loss's shape and the input's dtype. See ``attnpp.functional.cross_entropy`` for the errors of the
+    forward.
 
     Raises:
-        TypeError: ignore_index not an int. ValueError: an unknown reduction; backward with no forward context left
-        (see ``attnpp.nn.Module``), a grad_output of another shape than the loss's (TypeError: of another type or dtype; a refused
-        backward leaves the forward's context for a correct retry).
+        TypeError: ignore_index not an int. ValueError: an unknown reduction. The backward raises as every
+        layer's (see ``attnpp.nn.Module``): ValueError with no forward context left or a grad_output of another
+        shape than the loss's, TypeError for one of another type or dtype.
     """
 
     def __init__(self, ignore_index=-100, reduction="mean"):
@@ -24,13 +25,15 @@ class CrossEntropyLoss(Module):
         self.ignore_index = F.check_ignore_index(ignore_index)
         self.reduction = F.check_reduction(reduction)
 
+    @locked
     def forward(self, input, target):
         loss, stats = F.cross_entropy_forward(input, target, self.ignore_index, self.reduction)
-        self._save_context(input=input, target=target, stats=stats, out_shape=loss.shape)
+        self._save_context(input=input, target=target, stats=stats, out_shape=loss.shape, dtype=loss.dtype)
         return loss
 
+    @locked
     def backward(self, grad_output=1.0):
-        ctx = self._consume_context(grad_output, lambda g, c: F.check_loss_grad(g, c["input"].dtype, c["out_shape"]))
+        ctx = self._consume_context(grad_output, number_for_0d=True)
         return F.cross_entropy_backward(grad_output, ctx["input"], ctx["target"], ctx["stats"], self.ignore_index,
                                         self.reduction)
 

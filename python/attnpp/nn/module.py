@@ -1,5 +1,6 @@
 """The layer base class: parameters, gradients, modes and state dicts, as in torch.nn.Module."""
 import functools
+import numbers
 import threading
 import warnings
 from collections import namedtuple
@@ -43,19 +44,20 @@ def to_numpy(value, name):
     return value
 
 
-def _serialized(method):
-    """``method`` run under the layer's lock (see ``Module``)."""
-    @functools.wraps(method)
-    def call(self, *args, **kwargs):
-        with self._lock:
-            return method(self, *args, **kwargs)
-    call.serialized = True
-    return call
+def locked(method):
+    """Decorator for a layer's ``forward`` and ``backward``: the call runs under the layer's lock, and a call that
+    raises leaves no context saved by it, in the layer or its sub-layers.
 
+    Why: a layer may be shared between Python threads, and its saved contexts and parameters (the gradients a
+    backward accumulates with ``+=``) must not be changed by two threads at once: a lost update would lose a
+    gradient. One lock per layer (reentrant: a layer's forward may call its own methods), so different layers
+    still run at the same time, the core releasing the GIL. The clean-up on error serves composite layers: a
+    forward that fails half-way, after its sub-layers saved their contexts, would otherwise leave contexts that
+    no backward consumes (a backward only consumes contexts, so for it the clean-up does nothing).
 
-def _serialized_forward(method):
-    """A forward run under the layer's lock that, when it raises, drops the contexts its sub-layers saved (a
-    composite layer that failed half-way leaves no context behind that no backward would consume)."""
+    Every ``forward`` and ``backward`` of attnpp's layers carries it; a subclass of ``Module`` that may be called
+    from several threads writes ``@locked`` on its own.
+    """
     @functools.wraps(method)
     def call(self, *args, **kwargs):
         with self._lock:
@@ -66,7 +68,6 @@ def _serialized_forward(method):
                 for m, depth in depths:
                     del m._contexts[depth:]
                 raise
-    call.serialized = True
     return call
 
 
@@ -87,17 +88,12 @@ class Module:
     Contexts that no backward consumes are memory held: a layer with 1000 of them in one thread warns once.
 
     Threads: a layer may be called from several Python threads. Its ``forward`` and ``backward`` calls take turns
-    (a lock per layer; different layers run at the same time, the core releasing the GIL), so gradients
-    accumulate without lost updates; and each thread has its own contexts: a thread's ``backward`` consumes what
-    that thread's forwards saved, whatever other threads did in between.
+    (a lock per layer, taken by the ``@locked`` written on each of them; different layers run at the same time,
+    the core releasing the GIL), so gradients accumulate without lost updates; and each thread has its own
+    contexts: a thread's ``backward`` consumes what that thread's forwards saved, whatever other threads did in
+    between. A subclass gets the lock by writing ``@locked`` on its ``forward`` and ``backward`` (see
+    ``locked``).
     """
-
-    def __init_subclass__(cls, **kwargs):
-        super().__init_subclass__(**kwargs)
-        for name, wrap in (("forward", _serialized_forward), ("backward", _serialized)):
-            method = cls.__dict__.get(name)
-            if method is not None and not getattr(method, "serialized", False):
-                setattr(cls, name, wrap(method))
 
     def __init__(self, dtype=None):
         object.__setattr__(self, "_parameters", {})
@@ -181,23 +177,26 @@ class Module:
         for mname, m in self._modules.items():
             yield from m._named_state(prefix + mname + ".")
 
-    def _consume_context(self, grad_output, check=None):
-        """The most recent context not yet consumed, after checking ``grad_output`` against it (with
-        ``check(grad_output, ctx)`` when given; by default an array of the context's ``out_shape`` and dtype);
-        a refused call leaves it in place for a correct retry."""
+    def _consume_context(self, grad_output, number_for_0d=False):
+        """The most recent context not yet consumed, after checking ``grad_output`` against it: an array of the
+        context's ``out_shape`` and dtype (see ``_save_context``), or with ``number_for_0d`` (a loss's
+        ``backward(1.0)``) a real number when the output is 0-d. A refused call leaves the context in place for a
+        correct retry."""
         contexts = self._contexts
         if not contexts:
             raise ValueError(f"{type(self).__name__}.backward: no forward context left to consume in this thread "
                              f"(each backward consumes one forward run outside attnpp.no_grad(), most recent "
                              f"first)")
         ctx = contexts[-1]
-        if check is not None:
-            check(grad_output, ctx)
+        out_shape = ctx["out_shape"]
+        if number_for_0d and isinstance(grad_output, numbers.Real) and not isinstance(grad_output, (bool, np.bool_)):
+            got = () if out_shape == () else "a scalar"
         else:
             check_array(grad_output, "grad_output", dtype=ctx.get("dtype", self.dtype))
-            if grad_output.shape != ctx["out_shape"]:
-                raise ValueError(f"grad_output: expected the output's shape {ctx['out_shape']} (of the most recent "
-                                 f"forward not yet consumed), got {grad_output.shape}")
+            got = grad_output.shape
+        if got != out_shape:
+            raise ValueError(f"grad_output: expected the output's shape {out_shape} (of the most recent forward not "
+                             f"yet consumed), got {got}")
         contexts.pop()
         return ctx
 

@@ -6,7 +6,7 @@ from .. import _core
 from .. import functional as F
 from .._seeds import check_seed, generator
 from .linear import Linear
-from .module import Module
+from .module import Module, locked
 
 
 class MultiheadAttention(Module):
@@ -142,6 +142,7 @@ class MultiheadAttention(Module):
         return batched, bf, B, L, S
 
     # ----------------------------------------------------------------------------------------------- forward
+    @locked
     def forward(self, query, key, value, key_padding_mask=None, need_weights=True, attn_mask=None,
                 average_attn_weights=True, is_causal=False, *, seed=None):
         """Attend from ``query`` to ``key``/``value``.
@@ -233,6 +234,7 @@ class MultiheadAttention(Module):
         return y, weights
 
     # ---------------------------------------------------------------------------------------------- backward
+    @locked
     def backward(self, grad_output):
         """Gradients of ``attn_output`` of the most recent ``forward`` not yet consumed (one context per forward
         outside ``attnpp.no_grad()``, consumed last-in first-out: see ``attnpp.nn.Module``).
