@@ -181,8 +181,9 @@ def _layer004(causal=True, context_length=12):
 @pytest.mark.parametrize("mask", ["zeros", "tril", "diagonal kept masked", "values 2", "not square"])
 def test_wrong_mask_buffer_refused(mask):
     sd = MHA004(C, 8, 12, 0.1, 2).state_dict()
+    causal = torch.triu(torch.ones(12, 12), 1)                           # the right buffer
     sd["mask"] = {"zeros": torch.zeros(12, 12), "tril": torch.tril(torch.ones(12, 12), -1),
-                  "diagonal kept masked": torch.triu(torch.ones(12, 12)), "values 2": 2 * torch.triu(torch.ones(12, 12), 1),
+                  "diagonal kept masked": torch.triu(torch.ones(12, 12)), "values 2": 2 * causal,
                   "not square": torch.ones(12, 11)}[mask]
     _refused(_layer004(), sd, ["'mask'"])
 

@@ -19,8 +19,8 @@ References:
 Tolerances (relative to max(1, max |reference|); non-finite values compared exactly: the same NaN positions,
 the same +inf and -inf positions, except NaN vs inf in two gradients of an infinite grad_output, see
 test_sdpa_nonfinite_backward):
-- float64: 1e-10 (DESIGN.md).
-- float32: the reference is PyTorch in float64 on the same inputs and weights; within 1e-5 (DESIGN.md), or
+- float64: 1e-10 (docs/design.md).
+- float32: the reference is PyTorch in float64 on the same inputs and weights; within 1e-5 (docs/design.md), or
   within 4 times PyTorch's own float32 error against that reference on the same problem, where cancellation
   makes that larger (``assert_matches``).
 - Large scores: the backward and the weights are recomputed from the rounded log-sum-exp (FlashAttention-2's
@@ -70,7 +70,7 @@ def assert_matches(ours, ref, dtype, what, torch32=None, bound=None, same_kind=T
     """``ours`` equals the reference ``ref``: the same NaN positions and the same +inf and -inf positions (with
     ``same_kind=False``: the same non-finite positions, NaN and inf alike), and finite values within the bound,
     relative to max(1, max |finite ref|):
-    - ``bound`` if given, else DESIGN.md's tolerance (float64 1e-10, float32 1e-5);
+    - ``bound`` if given, else docs/design.md's tolerance (float64 1e-10, float32 1e-5);
     - float32 with ``torch32`` (PyTorch's own float32 result; ``ref`` is then PyTorch's in float64): within
       1e-5, or within 4 times PyTorch's own float32 error where cancellation makes that larger."""
     ours, ref = np.asarray(ours), np.asarray(ref)
@@ -531,7 +531,7 @@ def test_sdpa_refuses_what_torch_refuses(change, data):
     backend, which checks what its flash kernel skips: key and value lengths, attn_mask with is_causal),
     attnpp's forward raises ValueError or TypeError, never another exception or a crash; where PyTorch answers,
     attnpp answers the same (tolerances as test_sdpa_matches_torch). Other and mixed dtypes (float16, a float
-    mask of the other precision) give TypeError, as DESIGN.md decides, though PyTorch converts them. A 0-D or 1-D
+    mask of the other precision) give TypeError, as docs/design.md decides, though PyTorch converts them. A 0-D or 1-D
     attn_mask is not a refusal: attnpp broadcasts it whatever the inputs' ndim (deliberately more lenient than
     PyTorch, which refuses it with 4-D inputs only), so attnpp must answer as PyTorch does with the mask
     broadcast to (L, S)."""
@@ -550,7 +550,7 @@ def test_sdpa_refuses_what_torch_refuses(change, data):
     if t_err is None:  # PyTorch's flash kernel skips checks that its math backend makes
         with sdpa_kernel([SDPBackend.MATH]):
             t_err = outcome(lambda: run_torch(kw))[1]
-    if change in ("mask_dtype", "float16"):  # DESIGN.md: other and mixed dtypes are refused, never converted
+    if change in ("mask_dtype", "float16"):  # docs/design.md: other and mixed dtypes are refused, never converted
         assert isinstance(err, TypeError), f"attnpp gave {err!r}"
     elif t_err is not None:
         note(f"torch raised {t_err!r}")
@@ -760,7 +760,7 @@ def math_reference(case):
 @given(case=magnitude_cases())
 def test_sdpa_extreme_magnitudes_forward(case):
     """Scores up to ~1e30 (float32) and 1e240 (float64), values down to ~1e-30 / 1e-240: the forward is exact
-    (the softmax subtracts each row's maximum): no overflow, no NaN or inf, the output within DESIGN.md's
+    (the softmax subtracts each row's maximum): no overflow, no NaN or inf, the output within docs/design.md's
     tolerance of PyTorch's math backend in float64, relative to the values' magnitude (output / value scale,
     relative to max(1, |reference|)), and the log-sum-exp within the tolerance of PyTorch's logsumexp (-inf
     exactly on fully masked rows)."""
@@ -779,7 +779,7 @@ def test_sdpa_extreme_magnitudes_forward(case):
 def test_sdpa_extreme_magnitudes_backward(case):
     """The same problems: the three gradients and the weights have no NaN or inf, and are within
     max(TOL, 4 * eps * max|score|) of PyTorch's math backend in float64 (eps = 2^-23 for float32, 2^-52 for
-    float64; TOL DESIGN.md's 1e-5 / 1e-10), each gradient relative to its natural scale (grad_output * value *
+    float64; TOL docs/design.md's 1e-5 / 1e-10), each gradient relative to its natural scale (grad_output * value *
     key * scale for grad_query, ...; then relative to max(1, |reference|)). The bound is FlashAttention-2's
     design, documented by attnpp: the backward and the weights are recomputed as exp(score - logsumexp) from the
     log-sum-exp rounded to the dtype, whose error grows with the score (PyTorch's own flash backward shares it:

@@ -334,8 +334,9 @@ class Article003CausalAttention(torch.nn.Module):
 class Article003CausalCrossAttention(torch.nn.Module):
     """Article 003's ``CausalCrossAttention(hidden_size, num_heads, context_size, attn_drop, out_drop, bias)``:
     queries from x through ``Wq``, keys and values from y through a fused ``Wkv`` (C -> 2C), the ``causal_mask``
-    buffer, dropout on the weights (``attn_drop``), ``Wo``, dropout on its output (``out_drop``). Forward x (B, S, C), y (B, S, C) (the article: y has x's shape) and
-    ``mask`` (B, S) bool (True = masked out) -> (B, S, C)."""
+    buffer, dropout on the weights (``attn_drop``), ``Wo``, dropout on its output (``out_drop``). Forward
+    x (B, S, C), y (B, S, C) (the article: y has x's shape) and ``mask`` (B, S) bool (True = masked out) ->
+    (B, S, C)."""
 
     def __init__(self, hidden_size, num_heads, context_size, attn_drop=0.1, out_drop=0.1, bias=True):
         super().__init__()
