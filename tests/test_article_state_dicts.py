@@ -3,129 +3,27 @@
 PyTorch's; a wrong mask buffer, a wrongly shaped key or an unknown key is refused with the layer unchanged, and
 ``strict=False`` returns the keys it could not place.
 
-The PyTorch modules below follow each article's class (signature, parameter names, buffers, algorithm): written for
-these tests, except articles 000's and 004's multi-head classes, the benchmark's; all run in eval mode (dropout is the identity there, so both sides are deterministic).
+The PyTorch modules are the articles' classes of ``attnpp.testing`` (signature, parameter names, buffers,
+algorithm), shared with the benchmark; all run in eval mode (dropout is the identity there, so both sides are
+deterministic).
 """
-import math
-
 import numpy as np
 import pytest
 import torch
 
 import attnpp
 import attnpp.nn as ann
-from attnpp.bench import Article000MultiheadAttention, Article004MultiHeadAttention
+from helpers import TOL, TORCH
+from helpers import Article000CausalSelfAttention as CausalSelf000
+from helpers import Article000MultiheadAttention as MHA000
+from helpers import Article002MultiHeadAttentionWrapper as Wrapper002
+from helpers import Article002SelfAttention as SelfAttention002
+from helpers import Article003CausalAttention as Causal003
+from helpers import Article003CausalCrossAttention as CausalCross003
+from helpers import Article003SingleHeadAttention as SingleHead003
+from helpers import Article004MultiHeadAttention as MHA004
 
-TOL = {np.float64: 1e-10, np.float32: 1e-5}
-TORCH_DTYPE = {np.float64: torch.float64, np.float32: torch.float32}
 B, S, C, NH = 2, 5, 16, 4
-
-
-def _triu(n, dtype=None):
-    return torch.triu(torch.ones(n, n, dtype=dtype), diagonal=1)
-
-
-def _softmax_attend(q, k, v, masked, scale):
-    scores = (q @ k.transpose(-2, -1)) * scale
-    if masked is not None:
-        scores = scores.masked_fill(masked, float("-inf"))
-    return scores.softmax(dim=-1) @ v
-
-
-# ------------------------------------------------------------------------------------------- article 003
-class SingleHead003(torch.nn.Module):
-    def __init__(self, hidden_size, bias=True):
-        super().__init__()
-        self.Wqkv = torch.nn.Linear(hidden_size, hidden_size // 4 * 3, bias=bias)
-        self.Wo = torch.nn.Linear(hidden_size // 4, hidden_size, bias=bias)
-
-    def forward(self, x):
-        b, s, c = x.shape
-        q, k, v = self.Wqkv(x).reshape(b, s, 3, c // 4).unbind(dim=2)
-        return self.Wo(_softmax_attend(q, k, v, None, 1 / math.sqrt(c // 4)))
-
-
-class Causal003(torch.nn.Module):
-    """CausalAttention (context_size given) or BidirectionalAttention (context_size None)."""
-
-    def __init__(self, hidden_size, num_heads, context_size=None, attn_drop=0.1, out_drop=0.1, bias=True):
-        super().__init__()
-        self.nh = num_heads
-        self.Wqkv = torch.nn.Linear(hidden_size, 3 * hidden_size, bias=bias)
-        self.Wo = torch.nn.Linear(hidden_size, hidden_size, bias=bias)
-        self.attn_drop, self.out_drop = torch.nn.Dropout(attn_drop), torch.nn.Dropout(out_drop)
-        if context_size is not None:
-            self.register_buffer("causal_mask", _triu(context_size, torch.bool).view(1, 1, context_size, context_size))
-
-    def forward(self, x, mask):
-        b, s, c = x.shape
-        q, k, v = self.Wqkv(x).reshape(b, s, 3, self.nh, c // self.nh).transpose(3, 1).unbind(dim=2)
-        masked = mask.view(b, 1, 1, s)
-        if hasattr(self, "causal_mask"):
-            masked = masked | self.causal_mask[:, :, :s, :s]
-        out = _softmax_attend(q, k, v, masked, 1 / math.sqrt(c // self.nh))
-        return self.out_drop(self.Wo(out.transpose(1, 2).reshape(b, s, c)))
-
-
-class CausalCross003(torch.nn.Module):
-    def __init__(self, hidden_size, num_heads, context_size, attn_drop=0.1, out_drop=0.1, bias=True):
-        super().__init__()
-        self.nh = num_heads
-        self.Wq = torch.nn.Linear(hidden_size, hidden_size, bias=bias)
-        self.Wkv = torch.nn.Linear(hidden_size, 2 * hidden_size, bias=bias)
-        self.Wo = torch.nn.Linear(hidden_size, hidden_size, bias=bias)
-        self.attn_drop, self.out_drop = torch.nn.Dropout(attn_drop), torch.nn.Dropout(out_drop)
-        self.register_buffer("causal_mask", _triu(context_size, torch.bool).view(1, 1, context_size, context_size))
-
-    def forward(self, x, y, mask):
-        b, s, c = x.shape                                       # the article: y has x's shape
-        q = self.Wq(x).reshape(b, s, self.nh, c // self.nh).transpose(1, 2)
-        k, v = self.Wkv(y).reshape(b, s, 2, self.nh, c // self.nh).transpose(3, 1).unbind(dim=2)
-        out = _softmax_attend(q, k, v, self.causal_mask | mask.view(b, 1, 1, s), 1 / math.sqrt(c // self.nh))
-        return self.out_drop(self.Wo(out.transpose(1, 2).reshape(b, s, c)))
-
-
-# ------------------------------------------------------------------------------- articles 004 and 000 (MHA)
-# the benchmark's PyTorch references of these two classes (the same signatures, parameter names and buffers)
-MHA004, MHA000 = Article004MultiHeadAttention, Article000MultiheadAttention
-
-
-class CausalSelf000(torch.nn.Module):
-    def __init__(self, d_in, d_out, context_length, attn_bias=True):
-        super().__init__()
-        self.d_out = d_out
-        self.w_q = torch.nn.Linear(d_in, d_out, bias=attn_bias)
-        self.w_k = torch.nn.Linear(d_in, d_out, bias=attn_bias)
-        self.w_v = torch.nn.Linear(d_in, d_out, bias=attn_bias)
-        self.register_buffer("causal_mask", _triu(context_length))
-
-    def forward(self, x):
-        t = x.shape[1]
-        return _softmax_attend(self.w_q(x), self.w_k(x), self.w_v(x), self.causal_mask[:t, :t].bool(),
-                               self.d_out ** -0.5)
-
-
-# ------------------------------------------------------------------------------------------- article 002
-class SelfAttention002(torch.nn.Module):
-    def __init__(self, d_in, d_out_kq, d_out_v):
-        super().__init__()
-        self.d_out_kq = d_out_kq
-        self.W_query = torch.nn.Parameter(torch.rand(d_in, d_out_kq))
-        self.W_key = torch.nn.Parameter(torch.rand(d_in, d_out_kq))
-        self.W_value = torch.nn.Parameter(torch.rand(d_in, d_out_v))
-
-    def forward(self, x, context=None):                 # context given: the article's CrossAttention
-        c = x if context is None else context
-        return _softmax_attend(x @ self.W_query, c @ self.W_key, c @ self.W_value, None, self.d_out_kq ** -0.5)
-
-
-class Wrapper002(torch.nn.Module):
-    def __init__(self, d_in, d_out_kq, d_out_v, num_heads):
-        super().__init__()
-        self.heads = torch.nn.ModuleList([SelfAttention002(d_in, d_out_kq, d_out_v) for _ in range(num_heads)])
-
-    def forward(self, x):
-        return torch.cat([h(x) for h in self.heads], dim=-1)
 
 
 # ------------------------------------------------------------------------------------------- the cases
@@ -207,7 +105,7 @@ CASES = {
 def _run(name, dtype):
     make_ref, make_layer, kind, grads_of = CASES[name]
     torch.manual_seed(0)
-    ref = make_ref().to(TORCH_DTYPE[dtype]).eval()
+    ref = make_ref().to(TORCH[dtype]).eval()
     layer = make_layer(dtype).eval()
     assert layer.load_state_dict(ref.state_dict()) == ([], [])          # the article's state dict, unchanged
     rng = np.random.default_rng(1)
@@ -283,8 +181,9 @@ def _layer004(causal=True, context_length=12):
 @pytest.mark.parametrize("mask", ["zeros", "tril", "diagonal kept masked", "values 2", "not square"])
 def test_wrong_mask_buffer_refused(mask):
     sd = MHA004(C, 8, 12, 0.1, 2).state_dict()
+    causal = torch.triu(torch.ones(12, 12), 1)                           # the right buffer
     sd["mask"] = {"zeros": torch.zeros(12, 12), "tril": torch.tril(torch.ones(12, 12), -1),
-                  "diagonal kept masked": torch.triu(torch.ones(12, 12)), "values 2": 2 * _triu(12),
+                  "diagonal kept masked": torch.triu(torch.ones(12, 12)), "values 2": 2 * causal,
                   "not square": torch.ones(12, 11)}[mask]
     _refused(_layer004(), sd, ["'mask'"])
 

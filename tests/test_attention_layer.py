@@ -5,10 +5,8 @@ import torch
 
 import attnpp
 import attnpp.functional as AF
-from conftest import assert_close
+from helpers import DTYPES, assert_close
 from helpers import attention_layer_reference as torch_reference
-
-DTYPES = [np.float64, np.float32]
 
 
 CONFIGS = [

@@ -17,10 +17,7 @@ from hypothesis import strategies as st
 import attnpp
 import attnpp.functional as AF
 from attnpp import nn
-from conftest import HYPOTHESIS_EXAMPLES, TOL, assert_close, examples, max_rel_err
-from helpers import attention_layer_reference
-
-DTYPES = [np.float64, np.float32]
+from helpers import DTYPES, HYPOTHESIS_EXAMPLES, TOL, assert_close, attention_layer_reference, examples, max_rel_err
 
 
 def randomize(layer, seed):

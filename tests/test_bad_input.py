@@ -1,4 +1,4 @@
-"""Bad input raises ValueError or TypeError whose message names the argument and the shapes (DESIGN.md).
+"""Bad input raises ValueError or TypeError whose message names the argument and the shapes (docs/design.md).
 
 Table-driven, one table per function or layer: each case is (id, the call, expected exception type, words that
 must all appear in the message). IndexError only for indices out of range (embedding ids, cross-entropy

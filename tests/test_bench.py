@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import attnpp
-from conftest import assert_close
+from helpers import assert_close
 
 BENCH = [sys.executable, "-m", "attnpp.bench", "--quick"]
 RATIO = re.compile(r"^\d+\.\d+ \[\d+\.\d+-\d+\.\d+\]$")  # median [first quartile-third quartile]

@@ -10,7 +10,7 @@ import torch
 
 import attnpp
 from attnpp import nn
-from conftest import assert_close
+from helpers import assert_close
 
 LAYERS = {
     "linear": lambda: nn.Linear(4, 3, dtype=np.float64),

@@ -6,10 +6,7 @@ import pytest
 import torch
 
 import attnpp
-from conftest import assert_close
-
-DTYPES = [np.float64, np.float32]
-TORCH = {np.float64: torch.float64, np.float32: torch.float32}
+from helpers import DTYPES, TORCH, assert_close, make_mha
 
 
 def param_grads_match(ours, theirs, dtype):
@@ -56,15 +53,6 @@ def test_parameters_share_memory():
     assert np.asarray(lin.weight) is lin.weight.data and lin.weight.numpy() is lin.weight.data
     sd = lin.state_dict()
     assert set(sd) == {"weight", "bias"} and np.shares_memory(sd["weight"], lin.weight.data)
-
-
-def make_mha(dtype, seed=0, **kw):
-    torch.manual_seed(seed)
-    ref = torch.nn.MultiheadAttention(dtype=TORCH[dtype], **kw)
-    mha = attnpp.nn.MultiheadAttention(dtype=dtype, **kw)
-    mha.load_state_dict(ref.state_dict())
-    assert list(mha.state_dict()) == list(ref.state_dict())
-    return mha, ref
 
 
 def run_both(mha, ref, rng, dtype, q, k, v, self_attention=False, **fkw):

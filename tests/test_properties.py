@@ -19,8 +19,8 @@ References:
 Tolerances (relative to max(1, max |reference|); non-finite values compared exactly: the same NaN positions,
 the same +inf and -inf positions, except NaN vs inf in two gradients of an infinite grad_output, see
 test_sdpa_nonfinite_backward):
-- float64: 1e-10 (DESIGN.md).
-- float32: the reference is PyTorch in float64 on the same inputs and weights; within 1e-5 (DESIGN.md), or
+- float64: 1e-10 (docs/design.md).
+- float32: the reference is PyTorch in float64 on the same inputs and weights; within 1e-5 (docs/design.md), or
   within 4 times PyTorch's own float32 error against that reference on the same problem, where cancellation
   makes that larger (``assert_matches``).
 - Large scores: the backward and the weights are recomputed from the rounded log-sum-exp (FlashAttention-2's
@@ -42,13 +42,11 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import attnpp
 import attnpp.functional as AF
-from conftest import HYPOTHESIS_EXAMPLES, LARGEST, TOL, assert_close, examples, max_rel_err
+from helpers import (DTYPES, HYPOTHESIS_EXAMPLES, LARGEST, TOL, T, assert_close, examples, make_mha, max_rel_err,
+                     torch_kw, torch_sdpa)
 from helpers import attention_layer_reference as torch_attention  # nn.Attention's math in PyTorch
 
-DTYPES = [np.float64, np.float32]
-TORCH = {np.dtype(np.float64): torch.float64, np.dtype(np.float32): torch.float32}
 EPS = {np.dtype(np.float64): 2.0**-52, np.dtype(np.float32): 2.0**-23}
-BACKENDS = {0: "math", 1: "flash", 2: "efficient", 3: "cudnn", 4: "overrideable", -1: "error"}
 # sizes that cross the kernel's block boundaries (64 queries x 128 keys)
 BIG_SIZES = [63, 64, 65, 127, 128, 129, 130, 200, 255, 256, 257, 300]  # the kernel's blocks: 64, 256
 # float32: attnpp's error may be this many times PyTorch's own float32 error (both against PyTorch in float64)
@@ -67,25 +65,12 @@ def count(name):
     HYPOTHESIS_EXAMPLES[name] += 1
 
 
-def T(x, grad=False, dtype=None):
-    """A torch tensor copy of an ndarray (bool stays bool; a float array is cast to ``dtype`` if given)."""
-    t = torch.tensor(np.ascontiguousarray(x))
-    if dtype is not None and t.is_floating_point():
-        t = t.to(dtype)
-    return t.requires_grad_() if grad else t
-
-
-def torch_kw(kw, dtype=None):
-    """Keyword arguments with their arrays as tensors (float masks cast to ``dtype``)."""
-    return {n: (T(x, dtype=dtype) if isinstance(x, np.ndarray) else x) for n, x in kw.items()}
-
-
 # ------------------------------------------------------------------------------------------------ comparisons
 def assert_matches(ours, ref, dtype, what, torch32=None, bound=None, same_kind=True):
     """``ours`` equals the reference ``ref``: the same NaN positions and the same +inf and -inf positions (with
     ``same_kind=False``: the same non-finite positions, NaN and inf alike), and finite values within the bound,
     relative to max(1, max |finite ref|):
-    - ``bound`` if given, else DESIGN.md's tolerance (float64 1e-10, float32 1e-5);
+    - ``bound`` if given, else docs/design.md's tolerance (float64 1e-10, float32 1e-5);
     - float32 with ``torch32`` (PyTorch's own float32 result; ``ref`` is then PyTorch's in float64): within
       1e-5, or within 4 times PyTorch's own float32 error where cancellation makes that larger."""
     ours, ref = np.asarray(ours), np.asarray(ref)
@@ -196,39 +181,6 @@ def sdpa_cases(draw, max_size=40, big=True, big_widths=True, zero=None, dtypes=D
 
 
 # ------------------------------------------------------------------------------------------- PyTorch references
-def torch_backend(tq, tk, tv, kw):
-    try:
-        return BACKENDS.get(int(torch._fused_sdp_choice(tq, tk, tv, **kw)), "?")
-    except Exception:  # noqa: BLE001 (a case torch refuses)
-        return "none"
-
-
-def torch_sdpa(q, k, v, g, kw, out_lead=None, dtype=None):
-    """PyTorch's output and gradients, from F.scaled_dot_product_attention as a user calls it (its default
-    backend), computed in ``dtype`` (default: the inputs'), the gradients from (out * grad_out).sum().backward();
-    and the name of the backend it chose.
-
-    With ``out_lead`` (B..., H) given, a call PyTorch refuses (it adds a mask that broadcasts beyond query and
-    key in place) is redone with query, key and value expanded to the output's batch shape (the same math)."""
-    tq, tk, tv = T(q, True, dtype), T(k, True, dtype), T(v, True, dtype)
-    tkw = torch_kw(kw, dtype)
-    args = (tq, tk, tv)
-    try:
-        out = torch.nn.functional.scaled_dot_product_attention(*args, **tkw)
-    except RuntimeError as e:
-        if out_lead is None:
-            raise
-        lead = out_lead[:-1] if kw.get("enable_gqa") else out_lead
-        args = tuple(t.expand(lead + t.shape[len(t.shape) - 3 if kw.get("enable_gqa") else len(t.shape) - 2:])
-                     for t in args)
-        note(f"torch refused the call ({e}); reference from inputs expanded to {lead}")
-        out = torch.nn.functional.scaled_dot_product_attention(*args, **tkw)
-    backend = torch_backend(*args, tkw)
-    (out * T(g, dtype=dtype)).sum().backward()
-    grads = [t.grad.numpy() if t.grad is not None else np.zeros(t.shape, q.dtype) for t in (tq, tk, tv)]
-    return [out.detach().numpy()] + grads, backend
-
-
 def torch_refs(q, k, v, g, kw, out_lead=None):
     """(reference, PyTorch's float32 result or None, backend): for float64 inputs PyTorch's float64 result; for
     float32 inputs PyTorch's result in float64 on the same inputs (the reference) and in float32 (its own error
@@ -579,7 +531,7 @@ def test_sdpa_refuses_what_torch_refuses(change, data):
     backend, which checks what its flash kernel skips: key and value lengths, attn_mask with is_causal),
     attnpp's forward raises ValueError or TypeError, never another exception or a crash; where PyTorch answers,
     attnpp answers the same (tolerances as test_sdpa_matches_torch). Other and mixed dtypes (float16, a float
-    mask of the other precision) give TypeError, as DESIGN.md decides, though PyTorch converts them. A 0-D or 1-D
+    mask of the other precision) give TypeError, as docs/design.md decides, though PyTorch converts them. A 0-D or 1-D
     attn_mask is not a refusal: attnpp broadcasts it whatever the inputs' ndim (deliberately more lenient than
     PyTorch, which refuses it with 4-D inputs only), so attnpp must answer as PyTorch does with the mask
     broadcast to (L, S)."""
@@ -598,7 +550,7 @@ def test_sdpa_refuses_what_torch_refuses(change, data):
     if t_err is None:  # PyTorch's flash kernel skips checks that its math backend makes
         with sdpa_kernel([SDPBackend.MATH]):
             t_err = outcome(lambda: run_torch(kw))[1]
-    if change in ("mask_dtype", "float16"):  # DESIGN.md: other and mixed dtypes are refused, never converted
+    if change in ("mask_dtype", "float16"):  # docs/design.md: other and mixed dtypes are refused, never converted
         assert isinstance(err, TypeError), f"attnpp gave {err!r}"
     elif t_err is not None:
         note(f"torch raised {t_err!r}")
@@ -808,7 +760,7 @@ def math_reference(case):
 @given(case=magnitude_cases())
 def test_sdpa_extreme_magnitudes_forward(case):
     """Scores up to ~1e30 (float32) and 1e240 (float64), values down to ~1e-30 / 1e-240: the forward is exact
-    (the softmax subtracts each row's maximum): no overflow, no NaN or inf, the output within DESIGN.md's
+    (the softmax subtracts each row's maximum): no overflow, no NaN or inf, the output within docs/design.md's
     tolerance of PyTorch's math backend in float64, relative to the values' magnitude (output / value scale,
     relative to max(1, |reference|)), and the log-sum-exp within the tolerance of PyTorch's logsumexp (-inf
     exactly on fully masked rows)."""
@@ -827,7 +779,7 @@ def test_sdpa_extreme_magnitudes_forward(case):
 def test_sdpa_extreme_magnitudes_backward(case):
     """The same problems: the three gradients and the weights have no NaN or inf, and are within
     max(TOL, 4 * eps * max|score|) of PyTorch's math backend in float64 (eps = 2^-23 for float32, 2^-52 for
-    float64; TOL DESIGN.md's 1e-5 / 1e-10), each gradient relative to its natural scale (grad_output * value *
+    float64; TOL docs/design.md's 1e-5 / 1e-10), each gradient relative to its natural scale (grad_output * value *
     key * scale for grad_query, ...; then relative to max(1, |reference|)). The bound is FlashAttention-2's
     design, documented by attnpp: the backward and the weights are recomputed as exp(score - logsumexp) from the
     log-sum-exp rounded to the dtype, whose error grows with the score (PyTorch's own flash backward shares it:
@@ -930,20 +882,6 @@ def test_sdpa_memory_layouts(case, data):
 
 
 # ------------------------------------------------------------------------------------ 6. MultiheadAttention
-def make_mha(dtype, seed, **options):
-    """torch.nn.MultiheadAttention with random parameters (biases included), in eval mode, and attnpp's layer
-    loaded from its state dict."""
-    torch.manual_seed(seed)
-    ref = torch.nn.MultiheadAttention(dtype=TORCH[np.dtype(dtype)], **options).eval()
-    with torch.no_grad():
-        for p in ref.parameters():
-            p.normal_(0.0, 0.5)
-    mha = attnpp.nn.MultiheadAttention(dtype=dtype, **options)
-    mha.load_state_dict(ref.state_dict())
-    mha.eval()
-    return mha, ref
-
-
 @st.composite
 def mha_cases(draw, fully_masked=False):
     """A random MultiheadAttention configuration, inputs and forward arguments. Without ``fully_masked`` key 0
@@ -1023,7 +961,7 @@ def run_mha_pair(case):
     the references: PyTorch's layer with the same weights in float64 (the reference) and, for float32, in float32
     (its own error sets the float32 bound); and the attnpp layer."""
     dtype, fkw = case["dtype"], case["fkw"]
-    mha, ref = make_mha(dtype, case["seed"], **case["options"])
+    mha, ref = make_mha(dtype, case["seed"], std=0.5, training=False, **case["options"])
     y, w = mha(case["q"], case["k"], case["v"], **fkw)
     g = np.random.default_rng(case["seed"] + 1).standard_normal(y.shape).astype(dtype)
     grads = mha.backward(g)
@@ -1195,7 +1133,7 @@ def test_layers_memory_layouts(mcase, acase, data):
     count("test_layers_memory_layouts")
     layouts = data.draw(st.lists(st.sampled_from(LAYOUTS), min_size=6, max_size=6), label="layouts")
     dtype, fkw = mcase["dtype"], dict(mcase["fkw"])
-    mha, _ = make_mha(dtype, mcase["seed"], **mcase["options"])
+    mha, _ = make_mha(dtype, mcase["seed"], std=0.5, training=False, **mcase["options"])
     masks = {n: fkw.pop(n, None) for n in ("key_padding_mask", "attn_mask")}
     y, _ = mha(mcase["q"], mcase["k"], mcase["v"], **fkw, **masks)
     g = np.ones_like(y)

@@ -7,7 +7,7 @@ References (PyTorch, autograd for the gradients, taken with ``(out * grad_out).s
 - interleaved (``interleaved=True``): Meta's Llama ``apply_rotary_emb``, the pairs as complex numbers
   (``torch.view_as_complex``) times ``cos + i sin``.
 Both rotate the first R = 2 * cos.shape[-1] features and pass the others through, as FlashAttention's
-``apply_rotary_emb`` does. Tolerances: conftest's TOL (float64 1e-10, float32 1e-5, relative to max(1, |ref|)).
+``apply_rotary_emb`` does. Tolerances: helpers' TOL (float64 1e-10, float32 1e-5, relative to max(1, |ref|)).
 
 Shape letters: B batch, H heads, L sequence length, D head width, P positions of the tables, R rotary_dim.
 """
@@ -22,9 +22,7 @@ from hypothesis import strategies as st
 import attnpp
 import attnpp.functional as AF
 from attnpp import _core
-from conftest import HYPOTHESIS_EXAMPLES, TOL, assert_close, examples, max_rel_err
-
-DTYPES = [np.float64, np.float32]
+from helpers import DTYPES, HYPOTHESIS_EXAMPLES, TOL, assert_close, examples, max_rel_err
 
 
 # ------------------------------------------------------------------------------------------- PyTorch references

@@ -14,8 +14,7 @@ from torch.func import functional_call
 
 import attnpp.functional as AF
 import attnpp.torch as at
-from conftest import max_rel_err
-from helpers import attention_layer_reference, reference
+from helpers import attention_layer_reference, max_rel_err, reference
 
 TOL = {torch.float32: 1e-5, torch.float64: 1e-12}
 DTYPES = [torch.float32, torch.float64]

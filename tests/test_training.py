@@ -5,10 +5,7 @@ import torch
 
 import attnpp
 import attnpp.functional as AF
-from conftest import assert_close
-
-DTYPES = [np.float64, np.float32]
-TORCH = {np.float64: torch.float64, np.float32: torch.float32}
+from helpers import DTYPES, TORCH, assert_close
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

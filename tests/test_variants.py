@@ -10,8 +10,7 @@ from hypothesis import given, note, settings
 from hypothesis import strategies as st
 
 import attnpp.functional as AF
-from conftest import HYPOTHESIS_EXAMPLES, TOL, assert_close, examples
-from helpers import reference
+from helpers import HYPOTHESIS_EXAMPLES, TOL, assert_close, examples, reference
 
 
 def to_torch(*arrays):

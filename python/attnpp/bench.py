@@ -102,6 +102,7 @@ try:
     import torch.nn.functional as TF
 except ImportError:  # the library works without PyTorch; only this comparison needs it
     sys.exit('attnpp.bench compares attnpp with PyTorch, which is not installed: pip install ".[test]"')
+from attnpp.testing import Article000MultiheadAttention, Article001HelloWorldModel, Article004MultiHeadAttention
 
 MIB = 2.0 ** 20
 MEMORY_LIMIT_MIB = 256  # the issue's bound on attnpp's temporaries in the memory case
@@ -136,55 +137,7 @@ def capability_env(level):
 
 
 # ----------------------------------------------------------------------------------------------- the articles
-class Article000MultiheadAttention(torch.nn.Module):
-    """Article 000's ``MultiheadAttention(d_in, d_out, num_heads, context_length, qkv_bias=True)``: causal heads
-    of width d_out / num_heads, dropout 0.1 on the weights, heads concatenated, output projection."""
-
-    def __init__(self, d_in, d_out, num_heads, context_length, qkv_bias=True):
-        super().__init__()
-        self.num_heads, self.d_head = num_heads, d_out // num_heads
-        self.w_q = torch.nn.Linear(d_in, d_out, bias=qkv_bias)
-        self.w_k = torch.nn.Linear(d_in, d_out, bias=qkv_bias)
-        self.w_v = torch.nn.Linear(d_in, d_out, bias=qkv_bias)
-        self.dropout = torch.nn.Dropout(0.1)
-        self.out_proj = torch.nn.Linear(d_out, d_out)
-        self.register_buffer("causal_mask", torch.triu(torch.ones(context_length, context_length), diagonal=1))
-
-    def forward(self, x):                                       # x (B, T, E) -> (B, T, d_out)
-        B, T, _ = x.shape
-        heads = lambda t: t.reshape(B, T, self.num_heads, -1).transpose(1, 2)   # (B, H, T, d_head)
-        q, k, v = heads(self.w_q(x)), heads(self.w_k(x)), heads(self.w_v(x))
-        attn = q @ k.transpose(2, 3)                            # (B, H, T, T)
-        attn.masked_fill_(self.causal_mask[:T, :T].bool(), -torch.inf)
-        attn = self.dropout(torch.softmax(attn * self.d_head ** -0.5, dim=-1))
-        return self.out_proj((attn @ v).transpose(1, 2).flatten(-2))
-
-
-class Article004MultiHeadAttention(torch.nn.Module):
-    """Article 004's ``MultiHeadAttention(d_in, d_out, block_size, dropout, num_heads, qkv_bias=False)``: causal,
-    dropout on the weights, output projection with bias."""
-
-    def __init__(self, d_in, d_out, block_size, dropout, num_heads, qkv_bias=False):
-        super().__init__()
-        self.d_out, self.num_heads, self.head_dim = d_out, num_heads, d_out // num_heads
-        self.W_query = torch.nn.Linear(d_in, d_out, bias=qkv_bias)
-        self.W_key = torch.nn.Linear(d_in, d_out, bias=qkv_bias)
-        self.W_value = torch.nn.Linear(d_in, d_out, bias=qkv_bias)
-        self.out_proj = torch.nn.Linear(d_out, d_out)
-        self.dropout = torch.nn.Dropout(dropout)
-        self.register_buffer("mask", torch.triu(torch.ones(block_size, block_size), diagonal=1))
-
-    def forward(self, x):                                       # x (B, T, E) -> (B, T, d_out)
-        b, num_tokens, _ = x.shape
-        split = lambda t: t.view(b, num_tokens, self.num_heads, self.head_dim).transpose(1, 2)  # (B, H, T, hd)
-        keys, queries, values = split(self.W_key(x)), split(self.W_query(x)), split(self.W_value(x))
-        scores = queries @ keys.transpose(2, 3)                 # (B, H, T, T)
-        scores.masked_fill_(self.mask.bool()[:num_tokens, :num_tokens][None, None], -torch.inf)
-        weights = self.dropout(torch.softmax(scores / keys.shape[-1] ** 0.5, dim=-1))
-        context = (weights @ values).transpose(1, 2).contiguous().view(b, num_tokens, self.d_out)
-        return self.out_proj(context)
-
-
+# The articles' PyTorch classes are attnpp.testing's (shared with the tests).
 def attention_like(linears, **config):
     """An ``attnpp.nn.Attention`` holding the reference's weights; ``linears`` = its (q, k, v, out) nn.Linear."""
     q, k, v, out = linears
@@ -224,28 +177,9 @@ SENTENCES = ["The dog is an animal", "The human is a person", "The rock is a min
 VOCAB, N_EMBD, CONTEXT, SCALE = 50257, 5, 5, 1 / math.sqrt(3)  # the article divides the scores by sqrt(3)
 
 
-class TorchHelloWorldModel(torch.nn.Module):
-    """Article 001's model: token + position embeddings, one causal head (no bias, scores / sqrt(3)), logits."""
-
-    def __init__(self):
-        super().__init__()
-        self.tok_emb = torch.nn.Embedding(VOCAB, N_EMBD)
-        self.pos_emb = torch.nn.Embedding(CONTEXT, N_EMBD)
-        self.q_wt = torch.nn.Linear(N_EMBD, N_EMBD, bias=False)
-        self.k_wt = torch.nn.Linear(N_EMBD, N_EMBD, bias=False)
-        self.v_wt = torch.nn.Linear(N_EMBD, N_EMBD, bias=False)
-        self.out = torch.nn.Linear(N_EMBD, VOCAB, bias=False)
-
-    def forward(self, x):                                       # x (B, T) token ids -> logits (B, T, V)
-        ec = self.tok_emb(x) + self.pos_emb(torch.arange(x.shape[1]))               # (B, T, C)
-        q, k, v = self.q_wt(ec), self.k_wt(ec), self.v_wt(ec)
-        attn = q @ k.transpose(-1, -2)                                                # (B, T, T)
-        attn = attn.masked_fill(torch.tril(torch.ones_like(attn)) == 0, float("-inf"))
-        return self.out(torch.softmax(attn * SCALE, dim=-1) @ v)
-
-
 class HelloWorldModel(nn.Module):
-    """The same model from attnpp layers, with its hand-written backward (as notebook 001)."""
+    """Article 001's model (its PyTorch reference: attnpp.testing.Article001HelloWorldModel) from attnpp layers,
+    with its hand-written backward (as notebook 001)."""
 
     def __init__(self):
         super().__init__(np.float32)
@@ -560,7 +494,7 @@ def training_calls():
     ids = np.array(gpt2_encoding().encode_batch(SENTENCES), dtype=np.int64)       # (B, T + 1)
     x, y = ids[:, :-1].copy(), ids[:, 1:].reshape(-1).copy()                      # (B, T), (B * T,) next tokens
     torch.manual_seed(0)
-    ref = TorchHelloWorldModel()
+    ref = Article001HelloWorldModel(N_EMBD, VOCAB, CONTEXT, SCALE)
     model = HelloWorldModel()
     model.load_state_dict({TORCH_TO_ATTNPP[n]: t for n, t in ref.state_dict().items()})
     opt, ref_opt = optim.AdamW(model.parameters(), lr=1e-4), torch.optim.AdamW(ref.parameters(), lr=1e-4)
