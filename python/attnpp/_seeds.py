@@ -32,15 +32,6 @@ def next_seed():
     return int(_generator.integers(0, 2**63))
 
 
-def check_seed(seed, name="seed"):
-    """``seed`` as an unsigned 64-bit int, or a fresh one when it is None."""
-    if seed is None:
-        return next_seed()
-    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)):
-        raise TypeError(f"{name}: expected an int or None, got {type(seed).__name__}")
-    return int(seed) % 2**64
-
-
 def get_rng_state():
     """The state of attnpp's global generator (a dict, NumPy's ``bit_generator.state``), as
     ``torch.get_rng_state``: save it with a checkpoint so that a resumed run draws the same initialisations

@@ -10,7 +10,10 @@ from typing import NamedTuple, Optional
 import numpy as np
 
 from . import _core
-from ._seeds import check_seed
+from ._checks import (FLOATS, MAX_ELEMENTS, as_ndarray, broadcast_shape, check_alibi_slopes, check_array, check_bool,
+                      check_choice, check_cumulative, check_ignore_index, check_index, check_int, check_loss_grad,
+                      check_probability, check_reduction, check_scale, check_seed, check_sinks, check_softcap,
+                      check_window)
 
 __all__ = [
     "dropout", "dropout_backward", "embedding", "embedding_backward",
@@ -28,8 +31,6 @@ __all__ = [
     "rotary_embedding", "rotary_embedding_backward", "rotary_tables",
 ]
 
-_FLOATS = (np.dtype(np.float32), np.dtype(np.float64))
-_MAX_ELEMENTS = np.iinfo(np.intp).max // 8  # more elements than any array can hold
 _CAUSAL = {"top_left": _core.Causal.top_left, "bottom_right": _core.Causal.bottom_right}
 
 
@@ -57,62 +58,7 @@ def _zeros(shape, dtype):
     return out
 
 
-# ----------------------------------------------------------------------------------------------- validation
-def as_ndarray(x, name, written=False):
-    """``x`` as an ndarray without a copy: an ndarray itself, else through ``__dlpack__`` (a CPU tensor, a JAX or
-    CuPy array on the host) or ``__array__`` (an ``attnpp.nn.Parameter``, objects that convert themselves); an
-    argument the call writes into (``written``) must be an ndarray or a ``__dlpack__`` exporter, whose memory
-    is shared for certain. Else TypeError naming ``name`` and saying how to convert."""
-    if isinstance(x, np.ndarray):
-        return x
-    if hasattr(x, "__dlpack__"):
-        try:
-            return np.from_dlpack(x)
-        except (BufferError, RuntimeError, TypeError, ValueError) as e:
-            raise TypeError(f"{name}: cannot view {type(x).__name__} as a NumPy array ({e}); pass a CPU array "
-                            f"that does not require grad (for a torch tensor: tensor.detach().cpu()), or use "
-                            f"attnpp.torch for autograd") from None
-    if hasattr(x, "__array__") and not written:
-        return np.asarray(x)
-    raise TypeError(f"{name}: expected a numpy.ndarray{'' if written else ' or an array with __array__'} or "
-                    f"__dlpack__ (a CPU torch tensor), got {type(x).__name__}; convert it with numpy.asarray()")
-
-
-def check_array(x, name, ndim=None, min_ndim=None, dtype=None, written=False):
-    """``x`` as an ndarray (see ``as_ndarray``) of float32 or float64 (and of ``dtype`` when given), else
-    TypeError/ValueError.
-
-    ``ndim`` is an int or a tuple of allowed ints. Called on every layer call, so kept to plain comparisons.
-    """
-    if type(x) is not np.ndarray:
-        x = as_ndarray(x, name, written)
-    if x.dtype not in _FLOATS:
-        raise TypeError(f"{name}: expected dtype float32 or float64, got {x.dtype}")
-    if dtype is not None and x.dtype != dtype:
-        raise TypeError(f"{name}: expected dtype {np.dtype(dtype)} (like the other inputs), got {x.dtype}")
-    if ndim is not None and x.ndim != ndim and (type(ndim) is not tuple or x.ndim not in ndim):
-        raise ValueError(f"{name}: expected {ndim} dimensions, got shape {x.shape}")
-    if min_ndim is not None and x.ndim < min_ndim:
-        raise ValueError(f"{name}: expected at least {min_ndim} dimensions, got shape {x.shape}")
-    return x
-
-
-def check_probability(p, name):
-    """``p`` as a float in [0, 1), else TypeError/ValueError naming ``name``."""
-    if not isinstance(p, numbers.Real) or isinstance(p, bool):
-        raise TypeError(f"{name}: expected a float in [0, 1), got {type(p).__name__}")
-    if not 0.0 <= p < 1.0:
-        raise ValueError(f"{name} must be in [0, 1), got {p!r}")
-    return float(p)
-
-
-def check_scale(scale):
-    """``scale`` as a float or None, else TypeError."""
-    if scale is not None and (not isinstance(scale, numbers.Real) or isinstance(scale, bool)):
-        raise TypeError(f"scale: expected a float or None, got {type(scale).__name__}")
-    return None if scale is None else float(scale)
-
-
+# ------------------------------------------------------------------------------------ the core's arguments
 def score_scale(scale, D):
     """The factor on q k^T: ``scale`` (checked), 1 / sqrt(D) by default; 1 when D = 0, where every q k^T is the
     empty sum 0 whatever the scale (PyTorch: uniform weights, not NaN)."""
@@ -122,66 +68,8 @@ def score_scale(scale, D):
 
 def causal_mode(is_causal, causal_alignment):
     """The core's ``Causal`` value (none, top_left, bottom_right); ValueError for an unknown alignment."""
-    if causal_alignment not in _CAUSAL:
-        raise ValueError(f"causal_alignment must be 'top_left' or 'bottom_right', got {causal_alignment!r}")
-    return _CAUSAL[causal_alignment] if is_causal else _core.Causal.none
-
-
-def check_int(value, name, minimum=0):
-    """``value`` as an int >= ``minimum``, else TypeError/ValueError naming ``name``."""
-    if not isinstance(value, numbers.Integral) or isinstance(value, bool):
-        raise TypeError(f"{name}: expected an int, got {type(value).__name__}")
-    if value < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {value}")
-    return int(value)
-
-
-def check_bool(value, name):
-    """``value`` as a bool (Python or NumPy), else TypeError naming ``name``."""
-    if not isinstance(value, (bool, np.bool_)):
-        raise TypeError(f"{name}: expected a bool, got {type(value).__name__}")
-    return bool(value)
-
-
-def check_window(window):
-    """``window`` as (left, right) ints >= -1 (-1: unbounded on that side), or None; else TypeError/ValueError."""
-    if window is None:
-        return None
-    if not isinstance(window, (tuple, list)) or len(window) != 2:
-        raise TypeError(f"window: expected (left, right), two ints (-1 for unbounded), got {window!r}")
-    return tuple(check_int(w, f"window[{i}]", minimum=-1) for i, w in enumerate(window))
-
-
-def check_softcap(softcap):
-    """``softcap`` as a float > 0 (finite), or None (0 and None: no cap); else TypeError/ValueError."""
-    if softcap is None:
-        return None
-    if not isinstance(softcap, numbers.Real) or isinstance(softcap, bool):
-        raise TypeError(f"softcap: expected a float or None, got {type(softcap).__name__}")
-    if not (softcap >= 0 and math.isfinite(softcap)):
-        raise ValueError(f"softcap must be a finite number >= 0 (0 or None: no cap), got {softcap!r}")
-    return float(softcap) or None
-
-
-def check_alibi_slopes(slopes, batch, Hq, dtype):
-    """ALiBi slopes broadcast to (B..., Hq), as the core's (N or 1, Hq) array of ``dtype``."""
-    slopes = as_ndarray(slopes, "alibi_slopes")
-    if slopes.dtype.kind != "f":
-        raise TypeError(f"alibi_slopes: expected a float array, got dtype {slopes.dtype}")
-    full = tuple(batch) + (Hq,)
-    if slopes.ndim == 0 or slopes.shape[-1] != Hq or np.broadcast_shapes(slopes.shape, full) != full:
-        raise ValueError(f"alibi_slopes: expected shape (Hq,) = ({Hq},) or (B..., Hq) = {full}, got {slopes.shape}")
-    if slopes.ndim == 1:
-        return np.ascontiguousarray(slopes, dtype=dtype).reshape(1, Hq)
-    return np.ascontiguousarray(np.broadcast_to(slopes, full), dtype=dtype).reshape(-1, Hq)
-
-
-def check_sinks(sinks, Hq, dtype):
-    """The sinks as a (Hq,) array of ``dtype``, else TypeError/ValueError."""
-    sinks = check_array(sinks, "sinks", ndim=1, dtype=dtype)
-    if sinks.shape != (Hq,):
-        raise ValueError(f"sinks: expected shape (Hq,) = ({Hq},), got {sinks.shape}")
-    return np.ascontiguousarray(sinks)
+    return _CAUSAL[check_choice(causal_alignment, "causal_alignment", tuple(_CAUSAL))] if is_causal else \
+        _core.Causal.none
 
 
 def get_alibi_slopes(num_heads, dtype=np.float32):
@@ -237,19 +125,6 @@ def mask_arg(mask, full_shape):
 def last_dim_contiguous(x):
     """``x`` itself when its last dimension is contiguous (what the core's views need), else a C-contiguous copy."""
     return x if x.shape[-1] <= 1 or x.strides[-1] == x.itemsize else np.ascontiguousarray(x)
-
-
-def _broadcast_shape(name, *shapes):
-    """NumPy's broadcast of ``shapes`` (without its limit on the total size: a too large result is for the
-    caller's MemoryError), else ValueError naming them."""
-    ndim = max(map(len, shapes))
-    out = []
-    for i in range(-ndim, 0):
-        sizes = {s[i] for s in shapes if len(s) >= -i} - {1}
-        if len(sizes) > 1:
-            raise ValueError(f"{name}: shapes {', '.join(map(str, shapes))} do not broadcast")
-        out.append(sizes.pop() if sizes else 1)
-    return tuple(out)
 
 
 def attention_params(batch, Hq, dtype, *, scale, causal=_core.Causal.none, dropout_p=0.0, seed=0, masks=(),
@@ -309,10 +184,10 @@ class _Problem:
                 raise ValueError(f"enable_gqa=True: query heads must be a multiple of key heads and of value "
                                  f"heads; got query {query.shape}, key {key.shape}, value "
                                  f"{None if value is None else value.shape}")
-            batch = _broadcast_shape("query, key and value batch dimensions", q_lead[:-1], k_lead[:-1],
+            batch = broadcast_shape("query, key and value batch dimensions", q_lead[:-1], k_lead[:-1],
                                      v_lead[:-1])
         else:
-            full = _broadcast_shape("query, key and value batch and head dimensions", q_lead, k_lead, v_lead)
+            full = broadcast_shape("query, key and value batch and head dimensions", q_lead, k_lead, v_lead)
             batch, Hq = full[:-1], full[-1]
             Hk = Hq
         # Key and value heads in different numbers (GQA, as PyTorch: query head h uses key head h // (Hq // Hk)
@@ -322,7 +197,7 @@ class _Problem:
             self.k_repeat, self.v_repeat, Hk = Hq // Hk, Hq // v_lead[-1], Hq
         self.batch, self.Hq, self.Hk, self.L, self.S, self.D, self.Dv = batch, Hq, Hk, L, S, D, Dv
         self.N = math.prod(batch)
-        if self.N * Hq * max(L, S) * max(L, S, D, Dv, 1) > _MAX_ELEMENTS:  # (as np.empty's MemoryError)
+        if self.N * Hq * max(L, S) * max(L, S, D, Dv, 1) > MAX_ELEMENTS:  # (as np.empty's MemoryError)
             raise MemoryError(f"attention of batch {tuple(batch)}, {Hq} heads, L={L}, S={S}, D={D}, Dv={Dv}: too "
                               f"large to allocate")
         self.q4 = self._as4(query, Hq, L, D)
@@ -711,19 +586,6 @@ def scaled_dot_product_attention_weights(query, key, attn_mask=None, dropout_p=0
 
 
 # ------------------------------------------------------------------------------ packed sequences, KV cache
-def _cumulative(cu, name, total):
-    """Cumulative sequence lengths (B + 1,) of ints from 0 to ``total``, non-decreasing, as int64."""
-    cu = as_ndarray(cu, name)
-    if cu.dtype.kind not in "iu":
-        raise TypeError(f"{name}: expected an integer array, got dtype {cu.dtype}")
-    if cu.ndim != 1 or cu.shape[0] < 1:
-        raise ValueError(f"{name}: expected shape (B + 1,), got {cu.shape}")
-    if cu[0] != 0 or cu[-1] != total or (np.diff(cu.astype(np.int64)) < 0).any():
-        raise ValueError(f"{name}: expected non-decreasing offsets from 0 to {total} (the packed length), got "
-                         f"{cu.tolist() if cu.size <= 10 else cu}")
-    return np.ascontiguousarray(cu, dtype=np.int64)
-
-
 class _Varlen:
     """A validated call on packed sequences: query (Tq, Hq, D), key (Tk, Hk, D), value (Tk, Hk, Dv), as the
     core's (1, H, T, width) views, and its options."""
@@ -741,8 +603,8 @@ class _Varlen:
         if self.Hk == 0 or self.Hq % self.Hk:
             raise ValueError(f"query heads must be a multiple of key heads (GQA), got query {query.shape} and key "
                              f"{key.shape}")
-        cu_q = _cumulative(cu_seqlens_q, "cu_seqlens_q", self.Tq)
-        cu_k = _cumulative(cu_seqlens_k, "cu_seqlens_k", self.Tk)
+        cu_q = check_cumulative(cu_seqlens_q, "cu_seqlens_q", self.Tq)
+        cu_k = check_cumulative(cu_seqlens_k, "cu_seqlens_k", self.Tk)
         if cu_q.shape != cu_k.shape:
             raise ValueError(f"cu_seqlens_q and cu_seqlens_k: expected the same number of sequences, got "
                              f"{cu_q.shape} and {cu_k.shape}")
@@ -962,7 +824,7 @@ def dropout_mask(shape, p, seed):
         dims.append(int(s))
     p = check_probability(p, "p")
     seed = check_seed(seed)
-    if math.prod(dims) > _MAX_ELEMENTS:
+    if math.prod(dims) > MAX_ELEMENTS:
         raise MemoryError(f"dropout_mask: shape {tuple(dims)} is too large to allocate")
     return _core.dropout_mask(dims, p, seed)
 
@@ -1090,19 +952,6 @@ def dropout_backward(grad_output, p, seed):
     return grad
 
 
-def check_index(index, name, size, allowed=None):
-    """``index`` as a C-contiguous int64 array with values in [0, size) (or equal to ``allowed``)."""
-    index = as_ndarray(index, name)
-    if index.dtype.kind not in "iu":
-        raise TypeError(f"{name}: expected an integer dtype, got {index.dtype}")
-    bad = (index < 0) | (index >= size)  # (before the cast to int64, which would wrap large uint64 values)
-    if allowed is not None:
-        bad &= index != allowed
-    if bad.any():
-        raise IndexError(f"{name}: value {int(index[bad][0])} out of range [0, {size})")
-    return np.asarray(index, dtype=np.int64, order="C")  # (ascontiguousarray would make 0-d arrays 1-d)
-
-
 def embedding(input, weight):
     """``weight[input]``, as ``torch.nn.functional.embedding``.
 
@@ -1146,26 +995,6 @@ def embedding_backward(grad_output, input, grad_weight):
         raise ValueError(f"grad_output: expected shape {index.shape + (E,)} (input's shape, E), got "
                          f"{grad_output.shape}")
     _core.embedding_backward(grad_weight, np.ascontiguousarray(grad_output).reshape(-1, E), index)
-
-
-_REDUCTIONS = ("mean", "sum", "none")
-_INT64 = np.iinfo(np.int64)
-
-
-def check_reduction(reduction):
-    """``reduction`` if it is 'mean', 'sum' or 'none', else ValueError."""
-    if not isinstance(reduction, str) or reduction not in _REDUCTIONS:
-        raise ValueError(f"reduction must be 'mean', 'sum' or 'none', got {reduction!r}")
-    return reduction
-
-
-def check_ignore_index(ignore_index):
-    """``ignore_index`` as an int in int64's range, else TypeError/ValueError."""
-    if not isinstance(ignore_index, numbers.Integral) or isinstance(ignore_index, bool):
-        raise TypeError(f"ignore_index: expected an int, got {type(ignore_index).__name__}")
-    if not _INT64.min <= ignore_index <= _INT64.max:
-        raise ValueError(f"ignore_index must fit in int64, got {ignore_index}")
-    return int(ignore_index)
 
 
 def _cross_entropy_args(input, target, ignore_index, reduction):
@@ -1225,18 +1054,6 @@ def cross_entropy(input, target, ignore_index=-100, reduction="mean"):
         agree, an unknown reduction. IndexError: a target outside [0, C) other than ignore_index.
     """
     return cross_entropy_forward(input, target, ignore_index, reduction)[0]
-
-
-def check_loss_grad(grad_output, dtype, shape):
-    """The gradient of a loss of ``shape``: a real number (when the loss is 0-d) or an ndarray of ``shape`` and
-    ``dtype``, else TypeError/ValueError."""
-    if isinstance(grad_output, numbers.Real) and not isinstance(grad_output, (bool, np.bool_)):
-        if shape != ():
-            raise ValueError(f"grad_output: expected shape {shape} (the loss's), got a scalar")
-        return
-    grad_output = check_array(grad_output, "grad_output", dtype=dtype)
-    if grad_output.shape != shape:
-        raise ValueError(f"grad_output: expected shape {shape} (the loss's), got {grad_output.shape}")
 
 
 def cross_entropy_backward(grad_output, input, target, stats, ignore_index=-100, reduction="mean"):
@@ -1307,7 +1124,7 @@ def rotary_tables(max_positions, rotary_dim, base=10000.0, dtype=np.float32):
         dtype = np.dtype(dtype)
     except TypeError:
         raise TypeError(f"dtype: expected float32 or float64, got {dtype!r}") from None
-    if dtype not in _FLOATS:
+    if dtype not in FLOATS:
         raise TypeError(f"dtype: expected float32 or float64, got {dtype}")
     inv_freq = float(base) ** (-np.arange(0, rotary_dim, 2, dtype=np.float64) / rotary_dim)  # (R/2,)
     angle = np.arange(max_positions, dtype=np.float64)[:, None] * inv_freq                     # (P, R/2)

@@ -6,23 +6,14 @@ hyper-parameters, which may be changed between steps, as learning-rate schedules
 ``grad`` is None are skipped by ``step`` (no update, no state change).
 """
 import copy
-import math
 import numbers
 
 import numpy as np
 
 from . import _core
+from ._checks import check_hyper
 from .nn import Parameter
 from .nn.module import to_numpy
-
-
-def _check_hyper(value, name):
-    """``value`` as a finite float >= 0, else TypeError/ValueError naming ``name``."""
-    if not isinstance(value, numbers.Real) or isinstance(value, (bool, np.bool_)):
-        raise TypeError(f"{name}: expected a float, got {type(value).__name__}")
-    if not (value >= 0 and math.isfinite(value)):
-        raise ValueError(f"{name} must be >= 0 and finite, got {value}")
-    return float(value)
 
 
 class Optimizer:
@@ -86,7 +77,7 @@ class Optimizer:
         a schedule may have changed them)."""
         for name in ("lr", "momentum", "dampening", "weight_decay", "eps"):
             if name in group:
-                _check_hyper(group[name], name)
+                check_hyper(group[name], name)
 
     def zero_grad(self, set_to_none=True):
         """Reset every parameter's gradient: to None (default, as PyTorch; ``step`` then skips the parameter

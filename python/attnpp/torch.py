@@ -37,6 +37,7 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from . import functional as AF
+from ._checks import check_probability
 from .nn.attention import attention_config, rotary_tables, variant_args
 
 __all__ = ["scaled_dot_product_attention", "linear", "Linear", "MultiheadAttention", "Attention"]
@@ -159,7 +160,7 @@ def _attention(query, key, value, attn_mask, dropout_p, is_causal, scale, enable
     if isinstance(alibi_slopes, torch.Tensor):  # (slopes are constants: no gradient)
         alibi_slopes = _numpy(_check_tensor(alibi_slopes, "alibi_slopes"))
     options = dict(window=window, alibi_slopes=alibi_slopes, softcap=softcap)
-    if AF.check_probability(dropout_p, "dropout_p") > 0 and seed is None:
+    if check_probability(dropout_p, "dropout_p") > 0 and seed is None:
         seed = _draw_seed()
     output, lse = _AttentionFunction.apply(query, key, value, attn_mask, sinks, dropout_p, is_causal, scale,
                                            enable_gqa, seed, causal_alignment, options)

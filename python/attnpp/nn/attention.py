@@ -5,8 +5,8 @@ from collections.abc import Mapping
 import numpy as np
 
 from .. import _core
+from .. import _checks as checks
 from .. import functional as F
-from .._seeds import check_seed
 from ..grad_mode import no_grad
 from .dropout import Dropout
 from .kv_cache import KVCache
@@ -89,28 +89,28 @@ def attention_config(embed_dim, num_heads=1, qk_dim=None, v_dim=None, kv_dim=Non
     attn_dropout, out_dropout, scale, context_length, window ((left, right) or None), alibi_slopes (float64
     ndarray (H,) or None), softcap (float or None), sinks (bool: the layer learns a sink logit per head), rotary
     (bool), rotary_dim (int or None), rotary_base and rotary_interleaved. Raises as ``Attention`` says."""
-    E = F.check_int(embed_dim, "embed_dim", 1)
-    H = F.check_int(num_heads, "num_heads", 1)
-    qk_dim = E if qk_dim is None else F.check_int(qk_dim, "qk_dim", 1)
-    v_dim = qk_dim if v_dim is None else F.check_int(v_dim, "v_dim", 1)
+    E = checks.check_int(embed_dim, "embed_dim", 1)
+    H = checks.check_int(num_heads, "num_heads", 1)
+    qk_dim = E if qk_dim is None else checks.check_int(qk_dim, "qk_dim", 1)
+    v_dim = qk_dim if v_dim is None else checks.check_int(v_dim, "v_dim", 1)
     for name, width in (("qk_dim", qk_dim), ("v_dim", v_dim)):
         if width % H:
             raise ValueError(f"{name} must be divisible by num_heads, got {name}={width}, num_heads={H}")
     F.causal_mode(causal, causal_alignment)  # (ValueError for an unknown alignment)
-    out_dim = None if out_dim is None else F.check_int(out_dim, "out_dim", 1)
+    out_dim = None if out_dim is None else checks.check_int(out_dim, "out_dim", 1)
     if not out_proj and out_dim is not None and out_dim != v_dim:
         raise ValueError(f"out_dim={out_dim} needs out_proj=True (without it the output width is v_dim)")
-    scale = F.check_scale(scale)
+    scale = checks.check_scale(scale)
     return dict(embed_dim=E, num_heads=H, qk_dim=qk_dim, v_dim=v_dim,
-                kv_dim=E if kv_dim is None else F.check_int(kv_dim, "kv_dim", 1),
+                kv_dim=E if kv_dim is None else checks.check_int(kv_dim, "kv_dim", 1),
                 out_dim=v_dim if out_dim is None or not out_proj else out_dim,
-                causal=F.check_bool(causal, "causal"), causal_alignment=causal_alignment,
-                attn_dropout=F.check_probability(attn_dropout, "attn_dropout"),
-                out_dropout=F.check_probability(out_dropout, "out_dropout"),
+                causal=checks.check_bool(causal, "causal"), causal_alignment=causal_alignment,
+                attn_dropout=checks.check_probability(attn_dropout, "attn_dropout"),
+                out_dropout=checks.check_probability(out_dropout, "out_dropout"),
                 scale=(qk_dim // H) ** -0.5 if scale is None else scale,
-                context_length=None if context_length is None else F.check_int(context_length, "context_length", 1),
-                window=F.check_window(window), alibi_slopes=_alibi_slopes(alibi, H),
-                softcap=F.check_softcap(softcap), sinks=F.check_bool(sinks, "sinks"),
+                context_length=None if context_length is None else checks.check_int(context_length, "context_length", 1),
+                window=checks.check_window(window), alibi_slopes=_alibi_slopes(alibi, H),
+                softcap=checks.check_softcap(softcap), sinks=checks.check_bool(sinks, "sinks"),
                 **_rotary_config(rotary, rotary_dim, rotary_base, rotary_interleaved, qk_dim // H))
 
 
@@ -133,8 +133,8 @@ def _alibi_slopes(alibi, num_heads):
 
 def _rotary_config(rotary, rotary_dim, rotary_base, rotary_interleaved, head_dim):
     """The checked RoPE options: rotary, rotary_dim (default the head width), rotary_base, rotary_interleaved."""
-    rotary = F.check_bool(rotary, "rotary")
-    rotary_interleaved = F.check_bool(rotary_interleaved, "rotary_interleaved")
+    rotary = checks.check_bool(rotary, "rotary")
+    rotary_interleaved = checks.check_bool(rotary_interleaved, "rotary_interleaved")
     if not isinstance(rotary_base, numbers.Real) or isinstance(rotary_base, bool):
         raise TypeError(f"rotary_base: expected a float, got {type(rotary_base).__name__}")
     if not (math.isfinite(rotary_base) and rotary_base > 0):
@@ -150,7 +150,7 @@ def _rotary_config(rotary, rotary_dim, rotary_base, rotary_interleaved, head_dim
             raise ValueError(f"rotary=True: the head width qk_dim / num_heads = {head_dim} is odd; RoPE rotates "
                              f"pairs of features: give an even rotary_dim < {head_dim}")
         rotary_dim = head_dim
-    rotary_dim = F.check_int(rotary_dim, "rotary_dim", 2)
+    rotary_dim = checks.check_int(rotary_dim, "rotary_dim", 2)
     if rotary_dim % 2 or rotary_dim > head_dim:
         raise ValueError(f"rotary_dim must be even and at most the head width qk_dim / num_heads = {head_dim}, "
                          f"got {rotary_dim}")
@@ -319,7 +319,7 @@ class Attention(Module):
 
     # ----------------------------------------------------------------------------------------------- forward
     def _check(self, x, context, key_padding_mask):
-        F.check_array(x, "x", ndim=(2, 3), dtype=self.dtype)
+        checks.check_array(x, "x", ndim=(2, 3), dtype=self.dtype)
         if x.shape[-1] != self.embed_dim:
             raise ValueError(f"x: expected last dimension embed_dim={self.embed_dim}, got shape {x.shape}")
         if context is None:
@@ -327,7 +327,7 @@ class Attention(Module):
                 raise ValueError(f"context is required: kv_dim={self.kv_dim} differs from embed_dim="
                                  f"{self.embed_dim}")
             context = x
-        F.check_array(context, "context", ndim=x.ndim, dtype=self.dtype)
+        checks.check_array(context, "context", ndim=x.ndim, dtype=self.dtype)
         if context.shape[-1] != self.kv_dim:
             raise ValueError(f"context: expected last dimension kv_dim={self.kv_dim}, got shape {context.shape}")
         if x.ndim == 3 and context.shape[0] != x.shape[0]:
@@ -419,7 +419,7 @@ class Attention(Module):
         if kv_cache is not None:
             return self._decode(x, context, key_padding_mask, need_weights, kv_cache)
         self_attention = context is None
-        x, context, key_padding_mask = (None if t is None else F.as_ndarray(t, name) for t, name in
+        x, context, key_padding_mask = (None if t is None else checks.as_ndarray(t, name) for t, name in
                                         ((x, "x"), (context, "context"), (key_padding_mask, "key_padding_mask")))
         context = self._check(x, context, key_padding_mask)
         batched = x.ndim == 3
@@ -434,7 +434,7 @@ class Attention(Module):
             masks.append(F.mask_arg(kpm.reshape(B, 1, 1, S), (B, H, L, S)))
         p = self.attn_dropout if self.training else 0.0
         dropping = self.training and (p > 0 or self.out_drop.p > 0)  # draw a seed only when one is used
-        base_seed = check_seed(seed) if dropping else 0
+        base_seed = checks.check_seed(seed) if dropping else 0
         self.last_seed = base_seed if p > 0 else None
         params = self._params(B, masks, p, base_seed if p > 0 else 0)
 
@@ -466,7 +466,7 @@ class Attention(Module):
             1, max_length above context_length. TypeError: sizes that are not ints.
         """
         self._check_decoding()
-        max_length = F.check_int(max_length, "max_length", 1)
+        max_length = checks.check_int(max_length, "max_length", 1)
         if self.context_length is not None and max_length > self.context_length:
             raise ValueError(f"max_length={max_length} exceeds the layer's context_length={self.context_length}")
         H = self.num_heads
@@ -491,7 +491,7 @@ class Attention(Module):
         if not isinstance(cache, KVCache):
             raise TypeError(f"kv_cache: expected an attnpp.nn.KVCache (from init_kv_cache), got "
                             f"{type(cache).__name__}")
-        x = F.check_array(x, "x", ndim=3, dtype=self.dtype)
+        x = checks.check_array(x, "x", ndim=3, dtype=self.dtype)
         B, L, E = x.shape
         H = self.num_heads
         if E != self.embed_dim or B != cache.batch_size:

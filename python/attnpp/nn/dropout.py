@@ -1,5 +1,5 @@
+from .. import _checks as checks
 from .. import functional as F
-from .._seeds import check_seed
 from .module import Module, locked
 
 
@@ -22,13 +22,13 @@ class Dropout(Module):
 
     def __init__(self, p=0.5):
         super().__init__()
-        self.p = F.check_probability(p, "p")
+        self.p = checks.check_probability(p, "p")
         self.last_seed = None
 
     @locked
     def forward(self, input, *, seed=None):
-        input = F.check_array(input, "input")
-        seed = check_seed(seed) if self.training and self.p > 0 else None
+        input = checks.check_array(input, "input")
+        seed = checks.check_seed(seed) if self.training and self.p > 0 else None
         out = F.dropout(input, self.p, seed is not None, seed=seed)  # (state changes only once this succeeded)
         self.last_seed = seed
         self._save_context(out_shape=input.shape, dtype=input.dtype, seed=seed)

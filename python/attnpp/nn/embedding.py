@@ -1,3 +1,4 @@
+from .. import _checks as checks
 from .. import functional as F
 from .._seeds import generator
 from .module import Module, locked
@@ -25,8 +26,8 @@ class Embedding(Module):
 
     def __init__(self, num_embeddings, embedding_dim, dtype=None):
         super().__init__(dtype)
-        self.num_embeddings = F.check_int(num_embeddings, "num_embeddings")
-        self.embedding_dim = F.check_int(embedding_dim, "embedding_dim")
+        self.num_embeddings = checks.check_int(num_embeddings, "num_embeddings")
+        self.embedding_dim = checks.check_int(embedding_dim, "embedding_dim")
         self.register_parameter("weight", (self.num_embeddings, self.embedding_dim))
         self.weight.data[...] = generator().standard_normal(self.weight.shape)
 

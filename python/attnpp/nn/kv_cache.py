@@ -1,8 +1,7 @@
 """The keys and values of past tokens, for incremental decoding with ``attnpp.nn.Attention``."""
 import numpy as np
 
-from .. import functional as F
-from .module import check_dtype
+from .. import _checks as checks
 
 
 class KVCache:
@@ -31,12 +30,12 @@ class KVCache:
     """
 
     def __init__(self, batch_size, num_heads, max_length, head_dim, v_head_dim=None, dtype=None):
-        B = F.check_int(batch_size, "batch_size", 1)
-        H = F.check_int(num_heads, "num_heads", 1)
-        S = F.check_int(max_length, "max_length", 1)
-        D = F.check_int(head_dim, "head_dim")
-        Dv = D if v_head_dim is None else F.check_int(v_head_dim, "v_head_dim")
-        dtype = check_dtype(dtype)
+        B = checks.check_int(batch_size, "batch_size", 1)
+        H = checks.check_int(num_heads, "num_heads", 1)
+        S = checks.check_int(max_length, "max_length", 1)
+        D = checks.check_int(head_dim, "head_dim")
+        Dv = D if v_head_dim is None else checks.check_int(v_head_dim, "v_head_dim")
+        dtype = checks.check_dtype(dtype)
         self.key = np.zeros((B, H, S, D), dtype)
         self.value = np.zeros((B, H, S, Dv), dtype)
         self.lengths = np.zeros(B, np.int64)

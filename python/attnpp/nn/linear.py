@@ -1,5 +1,6 @@
 import math
 
+from .. import _checks as checks
 from .. import functional as F
 from .._seeds import generator
 from .module import Module, locked
@@ -28,8 +29,8 @@ class Linear(Module):
 
     def __init__(self, in_features, out_features, bias=True, dtype=None):
         super().__init__(dtype)
-        self.in_features = F.check_int(in_features, "in_features")
-        self.out_features = F.check_int(out_features, "out_features")
+        self.in_features = checks.check_int(in_features, "in_features")
+        self.out_features = checks.check_int(out_features, "out_features")
         self.register_parameter("weight", (out_features, in_features))
         self.bias = self.register_parameter("bias", (out_features,)) if bias else None
         bound = 1.0 / math.sqrt(in_features) if in_features > 0 else 0.0
@@ -39,7 +40,7 @@ class Linear(Module):
     @locked
     def forward(self, input):
         """input (*, Fin) -> (*, Fout)."""
-        input = F.check_array(input, "input", min_ndim=1, dtype=self.dtype)
+        input = checks.check_array(input, "input", min_ndim=1, dtype=self.dtype)
         if input.shape[-1] != self.in_features:
             raise ValueError(f"input: last dimension must be in_features={self.in_features}, got shape "
                              f"{input.shape}")

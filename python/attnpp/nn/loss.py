@@ -1,3 +1,4 @@
+from .. import _checks as checks
 from .. import functional as F
 from .module import Module, locked
 
@@ -22,8 +23,8 @@ class CrossEntropyLoss(Module):
 
     def __init__(self, ignore_index=-100, reduction="mean"):
         super().__init__()
-        self.ignore_index = F.check_ignore_index(ignore_index)
-        self.reduction = F.check_reduction(reduction)
+        self.ignore_index = checks.check_ignore_index(ignore_index)
+        self.reduction = checks.check_reduction(reduction)
 
     @locked
     def forward(self, input, target):

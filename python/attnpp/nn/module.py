@@ -8,7 +8,7 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from ..functional import check_array
+from .. import _checks as checks
 from ..grad_mode import is_grad_enabled
 from .parameter import Parameter
 
@@ -19,20 +19,6 @@ IncompatibleKeys = namedtuple("IncompatibleKeys", ["missing_keys", "unexpected_k
 # whose backward never comes: evaluation loops, generation)
 PENDING_CONTEXTS_WARNING = 1000
 
-_DTYPES = {np.dtype(np.float32): np.float32, np.dtype(np.float64): np.float64}
-
-
-def check_dtype(dtype):
-    """``dtype`` (None means float32) as a NumPy float dtype, else TypeError."""
-    try:
-        dt = np.dtype(np.float32 if dtype is None else getattr(dtype, "numpy_dtype", dtype))
-    except TypeError:
-        dt = None
-    if dt is None and dtype is not None and str(dtype) in ("torch.float32", "torch.float64"):
-        dt = np.dtype(str(dtype)[6:])
-    if dt not in _DTYPES:
-        raise TypeError(f"dtype: expected float32 or float64, got {dtype}")
-    return dt
 
 
 def to_numpy(value, name):
@@ -101,7 +87,7 @@ class Module:
         object.__setattr__(self, "_buffers", {})
         object.__setattr__(self, "_lock", threading.RLock())
         object.__setattr__(self, "_local", threading.local())  # holds this thread's contexts
-        self.dtype = check_dtype(dtype)
+        self.dtype = checks.check_dtype(dtype)
         self.training = True
 
     @property
@@ -192,7 +178,7 @@ class Module:
         if number_for_0d and isinstance(grad_output, numbers.Real) and not isinstance(grad_output, (bool, np.bool_)):
             got = () if out_shape == () else "a scalar"
         else:
-            check_array(grad_output, "grad_output", dtype=ctx.get("dtype", self.dtype))
+            checks.check_array(grad_output, "grad_output", dtype=ctx.get("dtype", self.dtype))
             got = grad_output.shape
         if got != out_shape:
             raise ValueError(f"grad_output: expected the output's shape {out_shape} (of the most recent forward not "

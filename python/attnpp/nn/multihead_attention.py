@@ -3,8 +3,9 @@ import math
 import numpy as np
 
 from .. import _core
+from .. import _checks as checks
 from .. import functional as F
-from .._seeds import check_seed, generator
+from .._seeds import generator
 from .linear import Linear
 from .module import Module, locked
 
@@ -44,15 +45,15 @@ class MultiheadAttention(Module):
     def __init__(self, embed_dim, num_heads, dropout=0.0, bias=True, add_bias_kv=False, add_zero_attn=False,
                  kdim=None, vdim=None, batch_first=False, dtype=None):
         super().__init__(dtype)
-        E = self.embed_dim = F.check_int(embed_dim, "embed_dim", 1)
-        self.num_heads = F.check_int(num_heads, "num_heads", 1)
+        E = self.embed_dim = checks.check_int(embed_dim, "embed_dim", 1)
+        self.num_heads = checks.check_int(num_heads, "num_heads", 1)
         if embed_dim % num_heads:
             raise ValueError(f"embed_dim must be divisible by num_heads, got embed_dim={embed_dim}, "
                              f"num_heads={num_heads}")
         self.head_dim = E // self.num_heads
-        self.kdim = E if kdim is None else F.check_int(kdim, "kdim", 1)
-        self.vdim = E if vdim is None else F.check_int(vdim, "vdim", 1)
-        dropout = F.check_probability(dropout, "dropout")
+        self.kdim = E if kdim is None else checks.check_int(kdim, "kdim", 1)
+        self.vdim = E if vdim is None else checks.check_int(vdim, "vdim", 1)
+        dropout = checks.check_probability(dropout, "dropout")
         self.dropout, self.batch_first = float(dropout), bool(batch_first)
         self.add_zero_attn = bool(add_zero_attn)
         self._qkv_same_embed_dim = self.kdim == E and self.vdim == E
@@ -102,9 +103,9 @@ class MultiheadAttention(Module):
 
     def _check_inputs(self, query, key, value, key_padding_mask, attn_mask, is_causal):
         dt, E, H = self.dtype, self.embed_dim, self.num_heads
-        F.check_array(query, "query", ndim=(2, 3), dtype=dt)
-        F.check_array(key, "key", ndim=(2, 3), dtype=dt)
-        F.check_array(value, "value", ndim=(2, 3), dtype=dt)
+        checks.check_array(query, "query", ndim=(2, 3), dtype=dt)
+        checks.check_array(key, "key", ndim=(2, 3), dtype=dt)
+        checks.check_array(value, "value", ndim=(2, 3), dtype=dt)
         if not query.ndim == key.ndim == value.ndim:
             raise ValueError(f"query, key and value must all be batched (3-D) or all unbatched (2-D), got "
                              f"query {query.shape}, key {key.shape}, value {value.shape}")
@@ -176,7 +177,7 @@ class MultiheadAttention(Module):
             ValueError: shapes that do not agree (named with their shapes), is_causal without attn_mask.
         """
         query, key, value, key_padding_mask, attn_mask = (
-            None if t is None else F.as_ndarray(t, name) for t, name in ((query, "query"), (key, "key"),
+            None if t is None else checks.as_ndarray(t, name) for t, name in ((query, "query"), (key, "key"),
             (value, "value"), (key_padding_mask, "key_padding_mask"), (attn_mask, "attn_mask")))
         batched, bf, B, L, S = self._check_inputs(query, key, value, key_padding_mask, attn_mask, is_causal)
         dt, H = self.dtype, self.num_heads
@@ -215,7 +216,7 @@ class MultiheadAttention(Module):
         if kpm is not None:
             masks.append(F.mask_arg(kpm.reshape(B, 1, 1, S_all), full))
         p = self.dropout if self.training else 0.0
-        seed = check_seed(seed) if p > 0 else 0
+        seed = checks.check_seed(seed) if p > 0 else 0
         self.last_seed = seed if p > 0 else None
         params, _ = F.attention_params((B,), H, dt, scale=1.0 / math.sqrt(self.head_dim), causal=causal,
                                        dropout_p=p, seed=seed, masks=masks)

@@ -1,0 +1,227 @@
+"""Every check of what a user passes to attnpp, in one place and one wording (PyTorch's where it has one).
+
+The functions, layers and optimizers call these before anything reaches the C++ core; the core keeps only the
+guards that memory safety needs (cpp/bindings/arrays.hpp). Each check names the argument, and the shapes when
+they are at fault: TypeError for a wrong type or dtype, ValueError for a wrong value or shape, IndexError for
+an index out of range, MemoryError for a request too large to allocate. ``ARGUMENTS`` at the end describes the
+non-array arguments of every public function and layer by their kind; tests/test_bad_input.py drives each of
+them through its kind's refused values.
+"""
+import math
+import numbers
+
+import numpy as np
+
+from ._seeds import next_seed
+
+FLOATS = (np.dtype(np.float32), np.dtype(np.float64))
+MAX_ELEMENTS = np.iinfo(np.intp).max // 8  # more elements than any array can hold
+
+
+# -------------------------------------------------------------------------------------------------- arrays
+def as_ndarray(x, name, written=False):
+    """``x`` as an ndarray without a copy: an ndarray itself, else through ``__dlpack__`` (a CPU tensor, a JAX or
+    CuPy array on the host) or ``__array__`` (an ``attnpp.nn.Parameter``, objects that convert themselves); an
+    argument the call writes into (``written``) must be an ndarray or a ``__dlpack__`` exporter, whose memory
+    is shared for certain. Else TypeError naming ``name`` and saying how to convert."""
+    if isinstance(x, np.ndarray):
+        return x
+    if hasattr(x, "__dlpack__"):
+        try:
+            return np.from_dlpack(x)
+        except (BufferError, RuntimeError, TypeError, ValueError) as e:
+            raise TypeError(f"{name}: cannot view {type(x).__name__} as a NumPy array ({e}); pass a CPU array "
+                            f"that does not require grad (for a torch tensor: tensor.detach().cpu()), or use "
+                            f"attnpp.torch for autograd") from None
+    if hasattr(x, "__array__") and not written:
+        return np.asarray(x)
+    raise TypeError(f"{name}: expected a numpy.ndarray{'' if written else ' or an array with __array__'} or "
+                    f"__dlpack__ (a CPU torch tensor), got {type(x).__name__}; convert it with numpy.asarray()")
+
+def check_array(x, name, ndim=None, min_ndim=None, dtype=None, written=False):
+    """``x`` as an ndarray (see ``as_ndarray``) of float32 or float64 (and of ``dtype`` when given), else
+    TypeError/ValueError.
+
+    ``ndim`` is an int or a tuple of allowed ints. Called on every layer call, so kept to plain comparisons.
+    """
+    if type(x) is not np.ndarray:
+        x = as_ndarray(x, name, written)
+    if x.dtype not in FLOATS:
+        raise TypeError(f"{name}: expected dtype float32 or float64, got {x.dtype}")
+    if dtype is not None and x.dtype != dtype:
+        raise TypeError(f"{name}: expected dtype {np.dtype(dtype)} (like the other inputs), got {x.dtype}")
+    if ndim is not None and x.ndim != ndim and (type(ndim) is not tuple or x.ndim not in ndim):
+        raise ValueError(f"{name}: expected {ndim} dimensions, got shape {x.shape}")
+    if min_ndim is not None and x.ndim < min_ndim:
+        raise ValueError(f"{name}: expected at least {min_ndim} dimensions, got shape {x.shape}")
+    return x
+
+def broadcast_shape(name, *shapes):
+    """NumPy's broadcast of ``shapes`` (without its limit on the total size: a too large result is for the
+    caller's MemoryError), else ValueError naming them."""
+    ndim = max(map(len, shapes))
+    out = []
+    for i in range(-ndim, 0):
+        sizes = {s[i] for s in shapes if len(s) >= -i} - {1}
+        if len(sizes) > 1:
+            raise ValueError(f"{name}: shapes {', '.join(map(str, shapes))} do not broadcast")
+        out.append(sizes.pop() if sizes else 1)
+    return tuple(out)
+
+def check_cumulative(cu, name, total):
+    """Cumulative sequence lengths (B + 1,) of ints from 0 to ``total``, non-decreasing, as int64."""
+    cu = as_ndarray(cu, name)
+    if cu.dtype.kind not in "iu":
+        raise TypeError(f"{name}: expected an integer array, got dtype {cu.dtype}")
+    if cu.ndim != 1 or cu.shape[0] < 1:
+        raise ValueError(f"{name}: expected shape (B + 1,), got {cu.shape}")
+    if cu[0] != 0 or cu[-1] != total or (np.diff(cu.astype(np.int64)) < 0).any():
+        raise ValueError(f"{name}: expected non-decreasing offsets from 0 to {total} (the packed length), got "
+                         f"{cu.tolist() if cu.size <= 10 else cu}")
+    return np.ascontiguousarray(cu, dtype=np.int64)
+
+def check_index(index, name, size, allowed=None):
+    """``index`` as a C-contiguous int64 array with values in [0, size) (or equal to ``allowed``)."""
+    index = as_ndarray(index, name)
+    if index.dtype.kind not in "iu":
+        raise TypeError(f"{name}: expected an integer dtype, got {index.dtype}")
+    bad = (index < 0) | (index >= size)  # (before the cast to int64, which would wrap large uint64 values)
+    if allowed is not None:
+        bad &= index != allowed
+    if bad.any():
+        raise IndexError(f"{name}: value {int(index[bad][0])} out of range [0, {size})")
+    return np.asarray(index, dtype=np.int64, order="C")  # (ascontiguousarray would make 0-d arrays 1-d)
+
+def check_alibi_slopes(slopes, batch, Hq, dtype):
+    """ALiBi slopes broadcast to (B..., Hq), as the core's (N or 1, Hq) array of ``dtype``."""
+    slopes = as_ndarray(slopes, "alibi_slopes")
+    if slopes.dtype.kind != "f":
+        raise TypeError(f"alibi_slopes: expected a float array, got dtype {slopes.dtype}")
+    full = tuple(batch) + (Hq,)
+    if slopes.ndim == 0 or slopes.shape[-1] != Hq or np.broadcast_shapes(slopes.shape, full) != full:
+        raise ValueError(f"alibi_slopes: expected shape (Hq,) = ({Hq},) or (B..., Hq) = {full}, got {slopes.shape}")
+    if slopes.ndim == 1:
+        return np.ascontiguousarray(slopes, dtype=dtype).reshape(1, Hq)
+    return np.ascontiguousarray(np.broadcast_to(slopes, full), dtype=dtype).reshape(-1, Hq)
+
+def check_sinks(sinks, Hq, dtype):
+    """The sinks as a (Hq,) array of ``dtype``, else TypeError/ValueError."""
+    sinks = check_array(sinks, "sinks", ndim=1, dtype=dtype)
+    if sinks.shape != (Hq,):
+        raise ValueError(f"sinks: expected shape (Hq,) = ({Hq},), got {sinks.shape}")
+    return np.ascontiguousarray(sinks)
+
+def check_loss_grad(grad_output, dtype, shape):
+    """The gradient of a loss of ``shape``: a real number (when the loss is 0-d) or an ndarray of ``shape`` and
+    ``dtype``, else TypeError/ValueError."""
+    if isinstance(grad_output, numbers.Real) and not isinstance(grad_output, (bool, np.bool_)):
+        if shape != ():
+            raise ValueError(f"grad_output: expected shape {shape} (the loss's), got a scalar")
+        return
+    grad_output = check_array(grad_output, "grad_output", dtype=dtype)
+    if grad_output.shape != shape:
+        raise ValueError(f"grad_output: expected shape {shape} (the loss's), got {grad_output.shape}")
+
+
+# ------------------------------------------------------------------------------------------------- scalars
+def check_choice(value, name, choices):
+    """``value`` if it is one of the strings ``choices``, else ValueError naming ``name`` and the choices."""
+    if not isinstance(value, str) or value not in choices:
+        listed = ", ".join(repr(c) for c in choices[:-1]) + f" or {choices[-1]!r}"
+        raise ValueError(f"{name} must be {listed}, got {value!r}")
+    return value
+
+
+def check_seed(seed, name="seed"):
+    """``seed`` as an unsigned 64-bit int (taken modulo 2**64), or a fresh one from attnpp's generator when it is
+    None; else TypeError."""
+    if seed is None:
+        return next_seed()
+    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)):
+        raise TypeError(f"{name}: expected an int or None, got {type(seed).__name__}")
+    return int(seed) % 2**64
+
+
+def check_hyper(value, name):
+    """``value`` as a finite float >= 0 (an optimizer's hyper-parameter), else TypeError/ValueError."""
+    if not isinstance(value, numbers.Real) or isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{name}: expected a float, got {type(value).__name__}")
+    if not (value >= 0 and math.isfinite(value)):
+        raise ValueError(f"{name} must be >= 0 and finite, got {value}")
+    return float(value)
+
+
+def check_dtype(dtype):
+    """A layer's ``dtype`` (None means float32; NumPy's or torch's float32/float64) as a NumPy dtype, else
+    TypeError."""
+    try:
+        dt = np.dtype(np.float32 if dtype is None else getattr(dtype, "numpy_dtype", dtype))
+    except TypeError:
+        dt = None
+    if dt is None and dtype is not None and str(dtype) in ("torch.float32", "torch.float64"):
+        dt = np.dtype(str(dtype)[6:])
+    if dt not in FLOATS:
+        raise TypeError(f"dtype: expected float32 or float64, got {dtype}")
+    return dt
+
+
+def check_probability(p, name):
+    """``p`` as a float in [0, 1), else TypeError/ValueError naming ``name``."""
+    if not isinstance(p, numbers.Real) or isinstance(p, bool):
+        raise TypeError(f"{name}: expected a float in [0, 1), got {type(p).__name__}")
+    if not 0.0 <= p < 1.0:
+        raise ValueError(f"{name} must be in [0, 1), got {p!r}")
+    return float(p)
+
+def check_scale(scale):
+    """``scale`` as a float or None, else TypeError."""
+    if scale is not None and (not isinstance(scale, numbers.Real) or isinstance(scale, bool)):
+        raise TypeError(f"scale: expected a float or None, got {type(scale).__name__}")
+    return None if scale is None else float(scale)
+
+def check_int(value, name, minimum=0):
+    """``value`` as an int >= ``minimum``, else TypeError/ValueError naming ``name``."""
+    if not isinstance(value, numbers.Integral) or isinstance(value, bool):
+        raise TypeError(f"{name}: expected an int, got {type(value).__name__}")
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+    return int(value)
+
+def check_bool(value, name):
+    """``value`` as a bool (Python or NumPy), else TypeError naming ``name``."""
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{name}: expected a bool, got {type(value).__name__}")
+    return bool(value)
+
+def check_window(window):
+    """``window`` as (left, right) ints >= -1 (-1: unbounded on that side), or None; else TypeError/ValueError."""
+    if window is None:
+        return None
+    if not isinstance(window, (tuple, list)) or len(window) != 2:
+        raise TypeError(f"window: expected (left, right), two ints (-1 for unbounded), got {window!r}")
+    return tuple(check_int(w, f"window[{i}]", minimum=-1) for i, w in enumerate(window))
+
+def check_softcap(softcap):
+    """``softcap`` as a float > 0 (finite), or None (0 and None: no cap); else TypeError/ValueError."""
+    if softcap is None:
+        return None
+    if not isinstance(softcap, numbers.Real) or isinstance(softcap, bool):
+        raise TypeError(f"softcap: expected a float or None, got {type(softcap).__name__}")
+    if not (softcap >= 0 and math.isfinite(softcap)):
+        raise ValueError(f"softcap must be a finite number >= 0 (0 or None: no cap), got {softcap!r}")
+    return float(softcap) or None
+
+_REDUCTIONS = ("mean", "sum", "none")
+_INT64 = np.iinfo(np.int64)
+
+def check_reduction(reduction):
+    """``reduction`` if it is 'mean', 'sum' or 'none', else ValueError."""
+    return check_choice(reduction, "reduction", _REDUCTIONS)
+
+def check_ignore_index(ignore_index):
+    """``ignore_index`` as an int in int64's range, else TypeError/ValueError."""
+    if not isinstance(ignore_index, numbers.Integral) or isinstance(ignore_index, bool):
+        raise TypeError(f"ignore_index: expected an int, got {type(ignore_index).__name__}")
+    if not _INT64.min <= ignore_index <= _INT64.max:
+        raise ValueError(f"ignore_index must fit in int64, got {ignore_index}")
+    return int(ignore_index)
