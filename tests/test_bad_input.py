@@ -6,6 +6,7 @@ targets), MemoryError for requests too large to allocate (then the library must 
 also check that a failed call leaves the layer as it was: same parameters and gradients, and a valid forward +
 backward afterwards gives the same answer as a fresh layer with the same state.
 """
+import inspect
 import re
 
 import numpy as np
@@ -14,6 +15,7 @@ import pytest
 import attnpp
 import attnpp.functional as AF
 from attnpp.nn import Attention, CrossEntropyLoss, Dropout, Embedding, KVCache, Linear, MultiheadAttention
+from attnpp._checks import ARGUMENTS
 from attnpp.optim import SGD, AdamW
 
 
@@ -603,6 +605,132 @@ CE_BACKWARD_BAD = [
 def test_cross_entropy_backward_bad_input(cid, kw, exc, ws):
     with pytest.raises(exc, match=words(*ws)):
         _ce_call("backward", CL, CT, **kw)()
+
+
+# ------------------------------------------------------------------------ the non-array arguments, by kind
+# attnpp._checks.ARGUMENTS names the kind of every non-array argument of the public functions, layers and
+# optimizers; each kind lists the values its check refuses. A valid call of each (below) gets each refused value
+# in turn, in place of each argument of the kind: the exception must be the kind's, its message must name the
+# argument. The array arguments and the few of a kind of their own are the tables' (HAND_TESTED).
+def _valid_calls():
+    f64 = lambda *shape, seed=0: randn(*shape, seed=seed)
+    i64 = lambda *v: np.array(v, np.int64)
+    q, k, v = _q(), _k(), _v()
+    g, out, lse = np.ones(OUT_SHAPE), np.zeros(OUT_SHAPE), np.zeros(LSE_SHAPE)
+    vq, vk, vv = f64(5, 2, 4, seed=1), f64(6, 2, 4, seed=2), f64(6, 2, 3, seed=3)  # packed (T, H, width)
+    vg, vout, vlse, cu_q, cu_k = np.ones((5, 2, 3)), np.zeros((5, 2, 3)), np.zeros((2, 5)), i64(0, 2, 5), i64(0, 4, 6)
+    cos, sin = AF.rotary_tables(8, 4, dtype=np.float64)
+    x3 = f64(1, 2, 3, 4, seed=4)
+    layer = Linear(3, 2, dtype=np.float64)
+    return {
+        "functional.scaled_dot_product_attention": lambda **kw: AF.scaled_dot_product_attention(q, k, v, **kw),
+        "functional.scaled_dot_product_attention_forward":
+            lambda **kw: AF.scaled_dot_product_attention_forward(q, k, v, **kw),
+        "functional.scaled_dot_product_attention_backward":
+            lambda **kw: AF.scaled_dot_product_attention_backward(g, q, k, v, out, lse, **{"seed": 1, **kw}),
+        "functional.scaled_dot_product_attention_weights":
+            lambda **kw: AF.scaled_dot_product_attention_weights(q, k, **kw),
+        "functional.scaled_dot_product_attention_varlen":
+            lambda **kw: AF.scaled_dot_product_attention_varlen(vq, vk, vv, cu_q, cu_k, **kw),
+        "functional.scaled_dot_product_attention_varlen_forward":
+            lambda **kw: AF.scaled_dot_product_attention_varlen_forward(vq, vk, vv, cu_q, cu_k, **kw),
+        "functional.scaled_dot_product_attention_varlen_backward":
+            lambda **kw: AF.scaled_dot_product_attention_varlen_backward(vg, vq, vk, vv, vout, vlse, cu_q, cu_k,
+                                                                         **{"seed": 1, **kw}),
+        "functional.scaled_dot_product_attention_with_kvcache":
+            lambda **kw: AF.scaled_dot_product_attention_with_kvcache(f64(2, 2, 1, 4), np.zeros((2, 2, 6, 4)),
+                                                                      np.zeros((2, 2, 6, 3)), i64(2, 3), **kw),
+        "functional.dropout": lambda **kw: AF.dropout(DX, **kw),
+        "functional.dropout_backward": lambda **kw: AF.dropout_backward(DX, **{"p": 0.5, "seed": 1, **kw}),
+        "functional.dropout_mask": lambda **kw: AF.dropout_mask((2, 3), **{"p": 0.5, "seed": 1, **kw}),
+        "functional.cross_entropy": lambda **kw: AF.cross_entropy(CL, CT, **kw),
+        "functional.cross_entropy_forward": lambda **kw: AF.cross_entropy_forward(CL, CT, **kw),
+        "functional.cross_entropy_backward": lambda **kw: AF.cross_entropy_backward(
+            1.0, CL, CT, AF.cross_entropy_forward(CL, CT)[1], **kw),
+        "functional.linear_backward": lambda **kw: AF.linear_backward(FGY, FX, FW, np.zeros((3, 4)), **kw),
+        "functional.get_alibi_slopes": lambda **kw: AF.get_alibi_slopes(**{"num_heads": 4, **kw}),
+        "functional.rotary_embedding": lambda **kw: AF.rotary_embedding(x3, cos, sin, **kw),
+        "functional.rotary_embedding_backward": lambda **kw: AF.rotary_embedding_backward(x3, cos, sin, **kw),
+        "functional.rotary_tables": lambda **kw: AF.rotary_tables(**{"max_positions": 8, "rotary_dim": 4, **kw}),
+        "nn.Linear": lambda **kw: Linear(**{"in_features": 4, "out_features": 3, **kw}),
+        "nn.Embedding": lambda **kw: Embedding(**{"num_embeddings": 5, "embedding_dim": 3, **kw}),
+        "nn.Dropout": lambda **kw: Dropout(**kw),
+        "nn.CrossEntropyLoss": lambda **kw: CrossEntropyLoss(**kw),
+        "nn.KVCache": lambda **kw: KVCache(**{"batch_size": 2, "num_heads": 2, "max_length": 8, "head_dim": 4,
+                                              **kw}),
+        "nn.MultiheadAttention": lambda **kw: MultiheadAttention(**{"embed_dim": 4, "num_heads": 2, **kw}),
+        "nn.Attention": lambda **kw: Attention(**{"embed_dim": 4, "num_heads": 2, **kw}),
+        "optim.SGD": lambda **kw: SGD(layer.parameters(), **{"lr": 0.1, **kw}),
+        "optim.AdamW": lambda **kw: AdamW(layer.parameters(), **kw),
+    }
+
+
+VALID_CALLS = _valid_calls()
+HAND_TESTED = {  # the arguments the tables above and below test, not by kind
+    "functional.scaled_dot_product_attention": {"query", "key", "value", "attn_mask", "alibi_slopes", "sinks"},
+    "functional.scaled_dot_product_attention_backward": {"grad_output", "output", "logsumexp"},
+    "functional.scaled_dot_product_attention_weights": {"query", "key", "attn_mask", "logsumexp", "alibi_slopes",
+                                                        "sinks"},
+    "functional.scaled_dot_product_attention_varlen": {"query", "key", "value", "cu_seqlens_q", "cu_seqlens_k",
+                                                       "alibi_slopes", "sinks"},
+    "functional.scaled_dot_product_attention_varlen_backward": {"grad_output", "output", "logsumexp"},
+    "functional.scaled_dot_product_attention_with_kvcache": {"query", "key_cache", "value_cache", "cache_seqlens",
+                                                             "key", "value", "alibi_slopes", "sinks"},
+    "functional.dropout": {"input"},
+    "functional.dropout_backward": {"grad_output"},
+    "functional.dropout_mask": {"shape"},
+    "functional.embedding": {"input", "weight"},
+    "functional.embedding_backward": {"grad_output", "input", "grad_weight"},
+    "functional.cross_entropy": {"input", "target"},
+    "functional.cross_entropy_backward": {"grad_output", "stats"},
+    "functional.linear": {"input", "weight", "bias"},
+    "functional.linear_backward": {"grad_output", "input", "weight", "grad_weight", "grad_bias"},
+    "functional.rotary_embedding": {"input", "cos", "sin", "position_offset"},
+    "functional.rotary_embedding_backward": {"grad_output"},
+    "functional.rotary_tables": {"rotary_dim", "base"},
+    "nn.KVCache": {"v_head_dim"},
+    "nn.Attention": {"alibi", "rotary_dim", "rotary_base"},
+    "optim.SGD": {"params", "nesterov"},
+    "optim.AdamW": {"params", "betas"},
+}
+HAND_TESTED["functional.scaled_dot_product_attention_forward"] = HAND_TESTED["functional.scaled_dot_product_attention"]
+HAND_TESTED["functional.scaled_dot_product_attention_backward"] |= HAND_TESTED["functional.scaled_dot_product_attention"]
+HAND_TESTED["functional.scaled_dot_product_attention_varlen_forward"] = \
+    HAND_TESTED["functional.scaled_dot_product_attention_varlen"]
+HAND_TESTED["functional.scaled_dot_product_attention_varlen_backward"] |= \
+    HAND_TESTED["functional.scaled_dot_product_attention_varlen"]
+HAND_TESTED["functional.cross_entropy_forward"] = HAND_TESTED["functional.cross_entropy"]
+HAND_TESTED["functional.cross_entropy_backward"] |= HAND_TESTED["functional.cross_entropy"]
+HAND_TESTED["functional.rotary_embedding_backward"] |= HAND_TESTED["functional.rotary_embedding"] - {"input"}
+
+KIND_CASES = [pytest.param(where, name, value, exc, id=f"{where}-{name}-{value!r}")
+              for where, arguments in ARGUMENTS.items() for name, kind in arguments.items()
+              for value, exc in kind.refuses]
+
+
+def _public(where):
+    module, name = where.split(".")
+    return getattr({"functional": AF, "nn": attnpp.nn, "optim": attnpp.optim}[module], name)
+
+
+@pytest.mark.parametrize("where, name, value, exc", KIND_CASES)
+def test_argument_refuses_its_kinds_bad_values(where, name, value, exc):
+    VALID_CALLS[where]()  # (the call is valid without the bad value)
+    with pytest.raises(exc) as info:
+        VALID_CALLS[where](**{name: value})
+    assert name in str(info.value), f"{where}: the message does not name {name}: {info.value}"
+
+
+def test_every_argument_is_described():
+    """Each parameter of every public function, layer and optimizer has a kind in ARGUMENTS or cases in the
+    tables (HAND_TESTED): a new argument without either fails here."""
+    public = [f"functional.{n}" for n in AF.__all__ if n != "AttentionForward"] + \
+        [f"nn.{n}" for n in ("Linear", "Embedding", "Dropout", "CrossEntropyLoss", "KVCache", "MultiheadAttention",
+                             "Attention")] + ["optim.SGD", "optim.AdamW"]
+    missing = {where: sorted(set(inspect.signature(_public(where)).parameters) - set(ARGUMENTS.get(where, {}))
+                             - HAND_TESTED.get(where, set())) for where in public}
+    assert not {w: m for w, m in missing.items() if m}, "arguments neither described nor hand-tested"
+    assert set(VALID_CALLS) == set(ARGUMENTS)
 
 
 # ------------------------------------------------------------------------------------------------- globals

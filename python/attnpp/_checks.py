@@ -132,14 +132,15 @@ def check_choice(value, name, choices):
     return value
 
 
-def check_seed(seed, name="seed"):
+def check_seed(seed, name="seed", used=True):
     """``seed`` as an unsigned 64-bit int (taken modulo 2**64), or a fresh one from attnpp's generator when it is
-    None; else TypeError."""
-    if seed is None:
-        return next_seed()
-    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)):
+    None; 0 when not ``used`` (a call without dropout: the seed is checked, and no number is drawn); else
+    TypeError."""
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, (int, np.integer))):
         raise TypeError(f"{name}: expected an int or None, got {type(seed).__name__}")
-    return int(seed) % 2**64
+    if not used:
+        return 0
+    return next_seed() if seed is None else int(seed) % 2**64
 
 
 def check_hyper(value, name):
@@ -225,3 +226,81 @@ def check_ignore_index(ignore_index):
     if not _INT64.min <= ignore_index <= _INT64.max:
         raise ValueError(f"ignore_index must fit in int64, got {ignore_index}")
     return int(ignore_index)
+
+
+# ----------------------------------------------------------------------------------- the arguments described
+class Kind:
+    """A kind of non-array argument, named in ``ARGUMENTS``: the values its check refuses, each with the exception
+    the check raises (whose message names the argument). tests/test_bad_input.py passes each of them, in turn, to
+    every argument of the kind in a valid call."""
+
+    def __init__(self, name, refuses):
+        self.name, self.refuses = name, tuple(refuses)
+
+    def __repr__(self):
+        return self.name
+
+
+PROBABILITY = Kind("probability in [0, 1)", [(-0.1, ValueError), (1.0, ValueError), (float("nan"), ValueError),
+                                               ("0.5", TypeError), (True, TypeError), (None, TypeError)])
+FLAG = Kind("bool", [(1, TypeError), ("yes", TypeError), (None, TypeError)])
+OPTIONAL_FLAG = Kind("bool or None", [(1, TypeError), ("yes", TypeError)])
+SCALE = Kind("float or None", [("1", TypeError), (True, TypeError), (1j, TypeError)])
+SEED = Kind("int or None", [(1.5, TypeError), ("1", TypeError), (True, TypeError)])
+SIZE = Kind("int >= 0", [(-1, ValueError), (2.0, TypeError), (True, TypeError), ("3", TypeError)])
+COUNT = Kind("int >= 1", [(0, ValueError), (-2, ValueError), (2.0, TypeError), (True, TypeError), (None, TypeError)])
+OPTIONAL_COUNT = Kind("int >= 1 or None", [(0, ValueError), (2.0, TypeError), (True, TypeError)])
+WINDOW = Kind("(left, right) ints >= -1, or None", [(3, TypeError), ((1,), TypeError), ((1, -2), ValueError),
+                                                     ((1.5, 1), TypeError), ((True, 1), TypeError)])
+SOFTCAP = Kind("float >= 0 or None", [(-1.0, ValueError), (float("inf"), ValueError), (float("nan"), ValueError),
+                                      ("5", TypeError), (True, TypeError)])
+HYPER = Kind("float >= 0", [(-0.1, ValueError), (float("nan"), ValueError), (float("inf"), ValueError),
+                            ("0.1", TypeError), (True, TypeError), (None, TypeError)])
+REDUCTION = Kind("'mean', 'sum' or 'none'", [("avg", ValueError), (None, ValueError), ("MEAN", ValueError)])
+CAUSAL_ALIGNMENT = Kind("'top_left' or 'bottom_right'", [("top", ValueError), (None, ValueError), (1, ValueError)])
+IGNORE_INDEX = Kind("int in int64's range", [(1.5, TypeError), (True, TypeError), (2 ** 63, ValueError)])
+DTYPE = Kind("float32 or float64", [(np.int32, TypeError), ("float16", TypeError), (np.complex64, TypeError)])
+
+_SDPA = dict(dropout_p=PROBABILITY, is_causal=FLAG, scale=SCALE, seed=SEED, causal_alignment=CAUSAL_ALIGNMENT,
+             window=WINDOW, softcap=SOFTCAP)
+
+# The non-array arguments of the public functions, layers and optimizers, by kind (the arrays and the few
+# arguments of a kind of their own have their cases in tests/test_bad_input.py's tables).
+ARGUMENTS = {
+    "functional.scaled_dot_product_attention": dict(_SDPA, enable_gqa=FLAG),
+    "functional.scaled_dot_product_attention_forward": dict(_SDPA, enable_gqa=FLAG),
+    "functional.scaled_dot_product_attention_backward": dict(_SDPA, enable_gqa=FLAG),
+    "functional.scaled_dot_product_attention_weights": dict(_SDPA, enable_gqa=FLAG),
+    "functional.scaled_dot_product_attention_varlen": dict(_SDPA),
+    "functional.scaled_dot_product_attention_varlen_forward": dict(_SDPA),
+    "functional.scaled_dot_product_attention_varlen_backward": dict(_SDPA),
+    "functional.scaled_dot_product_attention_with_kvcache": dict(is_causal=FLAG, scale=SCALE, window=WINDOW,
+                                                                 softcap=SOFTCAP),
+    "functional.dropout": dict(p=PROBABILITY, training=FLAG, seed=SEED),
+    "functional.dropout_backward": dict(p=PROBABILITY, seed=SEED),
+    "functional.dropout_mask": dict(p=PROBABILITY, seed=SEED),
+    "functional.cross_entropy": dict(ignore_index=IGNORE_INDEX, reduction=REDUCTION),
+    "functional.cross_entropy_forward": dict(ignore_index=IGNORE_INDEX, reduction=REDUCTION),
+    "functional.cross_entropy_backward": dict(ignore_index=IGNORE_INDEX, reduction=REDUCTION),
+    "functional.linear_backward": dict(need_input_grad=FLAG),
+    "functional.get_alibi_slopes": dict(num_heads=COUNT, dtype=DTYPE),
+    "functional.rotary_embedding": dict(interleaved=FLAG),
+    "functional.rotary_embedding_backward": dict(interleaved=FLAG),
+    "functional.rotary_tables": dict(max_positions=SIZE, dtype=DTYPE),
+    "nn.Linear": dict(in_features=SIZE, out_features=SIZE, bias=FLAG, dtype=DTYPE),
+    "nn.Embedding": dict(num_embeddings=SIZE, embedding_dim=SIZE, dtype=DTYPE),
+    "nn.Dropout": dict(p=PROBABILITY),
+    "nn.CrossEntropyLoss": dict(ignore_index=IGNORE_INDEX, reduction=REDUCTION),
+    "nn.KVCache": dict(batch_size=COUNT, num_heads=COUNT, max_length=COUNT, head_dim=SIZE, dtype=DTYPE),
+    "nn.MultiheadAttention": dict(embed_dim=COUNT, num_heads=COUNT, dropout=PROBABILITY, bias=FLAG,
+                                  add_bias_kv=FLAG, add_zero_attn=FLAG, kdim=OPTIONAL_COUNT, vdim=OPTIONAL_COUNT,
+                                  batch_first=FLAG, dtype=DTYPE),
+    "nn.Attention": dict(embed_dim=COUNT, num_heads=COUNT, qk_dim=OPTIONAL_COUNT, v_dim=OPTIONAL_COUNT,
+                         kv_dim=OPTIONAL_COUNT, out_dim=OPTIONAL_COUNT, bias=FLAG, out_proj=FLAG,
+                         out_bias=OPTIONAL_FLAG, causal=FLAG, causal_alignment=CAUSAL_ALIGNMENT,
+                         attn_dropout=PROBABILITY, out_dropout=PROBABILITY, scale=SCALE,
+                         context_length=OPTIONAL_COUNT, window=WINDOW, softcap=SOFTCAP, sinks=FLAG, rotary=FLAG,
+                         rotary_interleaved=FLAG, dtype=DTYPE),
+    "optim.SGD": dict(lr=HYPER, momentum=HYPER, dampening=HYPER, weight_decay=HYPER),
+    "optim.AdamW": dict(lr=HYPER, eps=HYPER, weight_decay=HYPER),
+}

@@ -11,9 +11,9 @@ import numpy as np
 
 from . import _core
 from ._checks import (FLOATS, MAX_ELEMENTS, as_ndarray, broadcast_shape, check_alibi_slopes, check_array, check_bool,
-                      check_choice, check_cumulative, check_ignore_index, check_index, check_int, check_loss_grad,
-                      check_probability, check_reduction, check_scale, check_seed, check_sinks, check_softcap,
-                      check_window)
+                      check_choice, check_cumulative, check_dtype, check_ignore_index, check_index, check_int,
+                      check_loss_grad, check_probability, check_reduction, check_scale, check_seed, check_sinks,
+                      check_softcap, check_window)
 
 __all__ = [
     "dropout", "dropout_backward", "embedding", "embedding_backward",
@@ -68,8 +68,8 @@ def score_scale(scale, D):
 
 def causal_mode(is_causal, causal_alignment):
     """The core's ``Causal`` value (none, top_left, bottom_right); ValueError for an unknown alignment."""
-    return _CAUSAL[check_choice(causal_alignment, "causal_alignment", tuple(_CAUSAL))] if is_causal else \
-        _core.Causal.none
+    alignment = check_choice(causal_alignment, "causal_alignment", tuple(_CAUSAL))
+    return _CAUSAL[alignment] if is_causal else _core.Causal.none
 
 
 def get_alibi_slopes(num_heads, dtype=np.float32):
@@ -85,6 +85,7 @@ def get_alibi_slopes(num_heads, dtype=np.float32):
         TypeError: num_heads not an int. ValueError: num_heads < 1.
     """
     n = check_int(num_heads, "num_heads", minimum=1)
+    dtype = check_dtype(dtype)
 
     def power_of_two(m):
         start = 2.0 ** (-8.0 / m)
@@ -206,7 +207,7 @@ class _Problem:
                                                                                                    dtype)
         if need_seed and dropout_p > 0 and seed is None:
             raise ValueError("seed: the backward with dropout_p > 0 needs the seed given to the forward")
-        self.seed = check_seed(seed) if dropout_p > 0 else 0
+        self.seed = check_seed(seed, used=dropout_p > 0)
         masks = []
         if attn_mask is not None:
             m = additive_mask(attn_mask, dtype, "attn_mask", true_means_masked=False)
@@ -266,7 +267,8 @@ class AttentionForward(NamedTuple):
 
 def scaled_dot_product_attention_forward(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
                                          scale=None, enable_gqa=False, *, seed=None,
-                                         causal_alignment="top_left", window=None, alibi_slopes=None, softcap=None, sinks=None):
+                                         causal_alignment="top_left", window=None, alibi_slopes=None, softcap=None,
+                                         sinks=None):
     """Attention forward that also returns what the backward needs.
 
     ``softmax(scale * query key^T + attn_mask) value``, with dropout on the weights.
@@ -349,7 +351,8 @@ def scaled_dot_product_attention_forward(query, key, value, attn_mask=None, drop
 
 
 def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
-                                 enable_gqa=False, *, seed=None, causal_alignment="top_left", window=None, alibi_slopes=None, softcap=None, sinks=None):
+                                 enable_gqa=False, *, seed=None, causal_alignment="top_left", window=None,
+                                 alibi_slopes=None, softcap=None, sinks=None):
     """Scaled dot-product attention, as ``torch.nn.functional.scaled_dot_product_attention``.
 
     ``softmax(scale * query key^T + attn_mask) value``, with dropout on the weights. For training, the forward
@@ -417,12 +420,14 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     """
     return scaled_dot_product_attention_forward(query, key, value, attn_mask, dropout_p, is_causal, scale,
                                                 enable_gqa, seed=seed, causal_alignment=causal_alignment,
-                                                window=window, alibi_slopes=alibi_slopes, softcap=softcap, sinks=sinks)[0]
+                                                window=window, alibi_slopes=alibi_slopes, softcap=softcap,
+                                                sinks=sinks)[0]
 
 
 def scaled_dot_product_attention_backward(grad_output, query, key, value, output, logsumexp, attn_mask=None,
                                           dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False, *,
-                                          seed=None, causal_alignment="top_left", window=None, alibi_slopes=None, softcap=None, sinks=None):
+                                          seed=None, causal_alignment="top_left", window=None, alibi_slopes=None,
+                                          softcap=None, sinks=None):
     """Gradients of ``scaled_dot_product_attention_forward``.
 
     Recomputes each block of attention weights from ``logsumexp`` (FlashAttention-2's backward): memory grows
@@ -613,7 +618,7 @@ class _Varlen:
         causal = causal_mode(check_bool(is_causal, "is_causal"), causal_alignment)
         if need_seed and dropout_p > 0 and seed is None:
             raise ValueError("seed: the backward with dropout_p > 0 needs the seed given to the forward")
-        self.seed = check_seed(seed) if dropout_p > 0 else 0
+        self.seed = check_seed(seed, used=dropout_p > 0)
         self.params, self.sinks = attention_params(
             (self.B,), self.Hq, dt, scale=score_scale(scale, self.D), causal=causal, dropout_p=float(dropout_p),
             seed=self.seed, window=window, alibi_slopes=alibi_slopes, softcap=softcap, sinks=sinks,
@@ -895,7 +900,8 @@ def linear_backward(grad_output, input, weight, grad_weight, grad_bias=None, nee
             raise ValueError(f"{name}: expected shape {shape}, got {g.shape}")
         if not g.flags.c_contiguous or not g.flags.writeable:
             raise ValueError(f"{name}: expected a C-contiguous, writeable array (written in place)")
-    return _linear_backward(grad_output, input, weight, grad_weight, grad_bias, need_input_grad)
+    return _linear_backward(grad_output, input, weight, grad_weight, grad_bias,
+                            check_bool(need_input_grad, "need_input_grad"))
 
 
 def _linear_backward(grad_output, input, weight, grad_weight, grad_bias=None, need_input_grad=True):
@@ -927,10 +933,12 @@ def dropout(input, p=0.5, training=True, *, seed=None):
     """
     input = check_array(input, "input")
     p = check_probability(p, "p")
-    if not check_bool(training, "training") or p == 0.0:
+    training = check_bool(training, "training")
+    seed = check_seed(seed, used=training and p > 0)
+    if not training or p == 0.0:
         return input
     out = _empty(input.shape, input.dtype)
-    _core.dropout_forward(out, np.ascontiguousarray(input), p, check_seed(seed))
+    _core.dropout_forward(out, np.ascontiguousarray(input), p, seed)
     return out
 
 
@@ -945,10 +953,11 @@ def dropout_backward(grad_output, p, seed):
     p = check_probability(p, "p")
     if seed is None and p > 0:
         raise ValueError("seed: dropout_backward with p > 0 needs the seed given to the forward, got None")
+    seed = check_seed(seed, used=p > 0)
     grad = _zeros(grad_output.shape, grad_output.dtype)
     if p == 0.0:
         return grad + grad_output
-    _core.dropout_backward(grad, np.ascontiguousarray(grad_output), p, check_seed(seed))
+    _core.dropout_backward(grad, np.ascontiguousarray(grad_output), p, seed)
     return grad
 
 

@@ -98,7 +98,7 @@ def attention_config(embed_dim, num_heads=1, qk_dim=None, v_dim=None, kv_dim=Non
             raise ValueError(f"{name} must be divisible by num_heads, got {name}={width}, num_heads={H}")
     F.causal_mode(causal, causal_alignment)  # (ValueError for an unknown alignment)
     out_dim = None if out_dim is None else checks.check_int(out_dim, "out_dim", 1)
-    if not out_proj and out_dim is not None and out_dim != v_dim:
+    if not checks.check_bool(out_proj, "out_proj") and out_dim is not None and out_dim != v_dim:
         raise ValueError(f"out_dim={out_dim} needs out_proj=True (without it the output width is v_dim)")
     scale = checks.check_scale(scale)
     return dict(embed_dim=E, num_heads=H, qk_dim=qk_dim, v_dim=v_dim,
@@ -108,7 +108,8 @@ def attention_config(embed_dim, num_heads=1, qk_dim=None, v_dim=None, kv_dim=Non
                 attn_dropout=checks.check_probability(attn_dropout, "attn_dropout"),
                 out_dropout=checks.check_probability(out_dropout, "out_dropout"),
                 scale=(qk_dim // H) ** -0.5 if scale is None else scale,
-                context_length=None if context_length is None else checks.check_int(context_length, "context_length", 1),
+                context_length=None if context_length is None else checks.check_int(context_length, "context_length",
+                                                                                    1),
                 window=checks.check_window(window), alibi_slopes=_alibi_slopes(alibi, H),
                 softcap=checks.check_softcap(softcap), sinks=checks.check_bool(sinks, "sinks"),
                 **_rotary_config(rotary, rotary_dim, rotary_base, rotary_interleaved, qk_dim // H))
@@ -312,8 +313,8 @@ class Attention(Module):
         self.q_proj = Linear(self.embed_dim, self.qk_dim, bias=bias, dtype=self.dtype)
         self.k_proj = Linear(self.kv_dim, self.qk_dim, bias=bias, dtype=self.dtype)
         self.v_proj = Linear(self.kv_dim, self.v_dim, bias=bias, dtype=self.dtype)
-        self.out_proj = Linear(self.v_dim, self.out_dim, bias=bias if out_bias is None else out_bias,
-                               dtype=self.dtype) if out_proj else None
+        out_bias = bias if out_bias is None else checks.check_bool(out_bias, "out_bias")
+        self.out_proj = Linear(self.v_dim, self.out_dim, bias=out_bias, dtype=self.dtype) if out_proj else None
         self.out_drop = Dropout(out_dropout)
         self.last_seed = None  # the attention-dropout seed of the last forward (None when it had no dropout)
 
@@ -434,7 +435,7 @@ class Attention(Module):
             masks.append(F.mask_arg(kpm.reshape(B, 1, 1, S), (B, H, L, S)))
         p = self.attn_dropout if self.training else 0.0
         dropping = self.training and (p > 0 or self.out_drop.p > 0)  # draw a seed only when one is used
-        base_seed = checks.check_seed(seed) if dropping else 0
+        base_seed = checks.check_seed(seed, used=dropping)
         self.last_seed = base_seed if p > 0 else None
         params = self._params(B, masks, p, base_seed if p > 0 else 0)
 
@@ -539,8 +540,8 @@ class Attention(Module):
             Accumulates (+=) into every parameter's ``grad`` (``sinks`` included).
 
         Raises:
-            ValueError: no forward context left, grad_output of another shape than its forward's output. TypeError: another
-            dtype.
+            ValueError: no forward context left, grad_output of another shape than its forward's output.
+            TypeError: another dtype.
         """
         ctx = self._consume_context(grad_output)
         g = self.out_drop.backward(grad_output if ctx["batched"] else grad_output[None])

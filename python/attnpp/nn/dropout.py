@@ -28,8 +28,10 @@ class Dropout(Module):
     @locked
     def forward(self, input, *, seed=None):
         input = checks.check_array(input, "input")
-        seed = checks.check_seed(seed) if self.training and self.p > 0 else None
-        out = F.dropout(input, self.p, seed is not None, seed=seed)  # (state changes only once this succeeded)
+        dropping = self.training and self.p > 0
+        seed = checks.check_seed(seed, used=dropping)
+        seed = seed if dropping else None  # (the context's "no dropout")
+        out = F.dropout(input, self.p, dropping, seed=seed)  # (state changes only once this succeeded)
         self.last_seed = seed
         self._save_context(out_shape=input.shape, dtype=input.dtype, seed=seed)
         return out

@@ -32,7 +32,7 @@ class Linear(Module):
         self.in_features = checks.check_int(in_features, "in_features")
         self.out_features = checks.check_int(out_features, "out_features")
         self.register_parameter("weight", (out_features, in_features))
-        self.bias = self.register_parameter("bias", (out_features,)) if bias else None
+        self.bias = self.register_parameter("bias", (out_features,)) if checks.check_bool(bias, "bias") else None
         bound = 1.0 / math.sqrt(in_features) if in_features > 0 else 0.0
         for p in self.parameters():
             p.data[...] = generator().uniform(-bound, bound, p.shape)

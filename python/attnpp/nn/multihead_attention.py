@@ -54,8 +54,9 @@ class MultiheadAttention(Module):
         self.kdim = E if kdim is None else checks.check_int(kdim, "kdim", 1)
         self.vdim = E if vdim is None else checks.check_int(vdim, "vdim", 1)
         dropout = checks.check_probability(dropout, "dropout")
-        self.dropout, self.batch_first = float(dropout), bool(batch_first)
-        self.add_zero_attn = bool(add_zero_attn)
+        self.dropout, self.batch_first = float(dropout), checks.check_bool(batch_first, "batch_first")
+        self.add_zero_attn = checks.check_bool(add_zero_attn, "add_zero_attn")
+        bias, add_bias_kv = checks.check_bool(bias, "bias"), checks.check_bool(add_bias_kv, "add_bias_kv")
         self._qkv_same_embed_dim = self.kdim == E and self.vdim == E
         rng = generator()
         xavier = lambda p, fan_in, fan_out: rng.uniform(-1, 1, p.shape) * math.sqrt(6.0 / (fan_in + fan_out))
@@ -216,7 +217,7 @@ class MultiheadAttention(Module):
         if kpm is not None:
             masks.append(F.mask_arg(kpm.reshape(B, 1, 1, S_all), full))
         p = self.dropout if self.training else 0.0
-        seed = checks.check_seed(seed) if p > 0 else 0
+        seed = checks.check_seed(seed, used=p > 0)
         self.last_seed = seed if p > 0 else None
         params, _ = F.attention_params((B,), H, dt, scale=1.0 / math.sqrt(self.head_dim), causal=causal,
                                        dropout_p=p, seed=seed, masks=masks)
