@@ -247,19 +247,24 @@ FLAG = Kind("bool", [(1, TypeError), ("yes", TypeError), (None, TypeError)])
 OPTIONAL_FLAG = Kind("bool or None", [(1, TypeError), ("yes", TypeError)])
 SCALE = Kind("float or None", [("1", TypeError), (True, TypeError), (1j, TypeError)])
 SEED = Kind("int or None", [(1.5, TypeError), ("1", TypeError), (True, TypeError)])
-SIZE = Kind("int >= 0", [(-1, ValueError), (2.0, TypeError), (True, TypeError), ("3", TypeError)])
-COUNT = Kind("int >= 1", [(0, ValueError), (-2, ValueError), (2.0, TypeError), (True, TypeError), (None, TypeError)])
-OPTIONAL_COUNT = Kind("int >= 1 or None", [(0, ValueError), (2.0, TypeError), (True, TypeError)])
+SIZE = Kind("int >= 0", [(-1, ValueError), (2.0, TypeError), (True, TypeError), ("3", TypeError), (None, TypeError)])
+COUNT = Kind("int >= 1", [(0, ValueError), (-2, ValueError), (2.0, TypeError), (True, TypeError), ("3", TypeError),
+                          (None, TypeError)])
+OPTIONAL_COUNT = Kind("int >= 1 or None", [(0, ValueError), (-1, ValueError), (2.0, TypeError), (True, TypeError),
+                                           ("3", TypeError)])
 WINDOW = Kind("(left, right) ints >= -1, or None", [(3, TypeError), ((1,), TypeError), ((1, -2), ValueError),
                                                      ((1.5, 1), TypeError), ((True, 1), TypeError)])
 SOFTCAP = Kind("float >= 0 or None", [(-1.0, ValueError), (float("inf"), ValueError), (float("nan"), ValueError),
                                       ("5", TypeError), (True, TypeError)])
 HYPER = Kind("float >= 0", [(-0.1, ValueError), (float("nan"), ValueError), (float("inf"), ValueError),
-                            ("0.1", TypeError), (True, TypeError), (None, TypeError)])
+                            ("0.1", TypeError), (True, TypeError), (None, TypeError), (0.1j, TypeError),
+                            ([0.9], TypeError)])
 REDUCTION = Kind("'mean', 'sum' or 'none'", [("avg", ValueError), (None, ValueError), ("MEAN", ValueError)])
 CAUSAL_ALIGNMENT = Kind("'top_left' or 'bottom_right'", [("top", ValueError), (None, ValueError), (1, ValueError)])
-IGNORE_INDEX = Kind("int in int64's range", [(1.5, TypeError), (True, TypeError), (2 ** 63, ValueError)])
-DTYPE = Kind("float32 or float64", [(np.int32, TypeError), ("float16", TypeError), (np.complex64, TypeError)])
+IGNORE_INDEX = Kind("int in int64's range", [(1.5, TypeError), ("x", TypeError), (True, TypeError),
+                                              (2 ** 63, ValueError)])
+DTYPE = Kind("float32 or float64", [(np.int32, TypeError), (int, TypeError), (bool, TypeError), (object, TypeError),
+                                    ("float16", TypeError), (np.float16, TypeError), (np.complex128, TypeError)])
 
 _SDPA = dict(dropout_p=PROBABILITY, is_causal=FLAG, scale=SCALE, seed=SEED, causal_alignment=CAUSAL_ALIGNMENT,
              window=WINDOW, softcap=SOFTCAP)
