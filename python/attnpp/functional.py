@@ -154,27 +154,40 @@ class _Problem:
                  causal_alignment, need_seed=False, has_value=True, window=None, alibi_slopes=None, softcap=None,
                  sinks=None):
         query = check_array(query, "query", min_ndim=2)
-        dtype = query.dtype
+        self.dtype = dtype = query.dtype
         key = check_array(key, "key", min_ndim=2, dtype=dtype)
-        if has_value:  # (the weights have none)
-            value = check_array(value, "value", min_ndim=2, dtype=dtype)
+        value = check_array(value, "value", min_ndim=2, dtype=dtype) if has_value else None  # (the weights: none)
         if query.shape[-1] != key.shape[-1]:
             raise ValueError(f"query and key must have the same last dimension (D), got query {query.shape} "
                              f"and key {key.shape}")
         if value is not None and value.shape[-2] != key.shape[-2]:
             raise ValueError(f"key and value must have the same length S (dimension -2), got key {key.shape} "
                              f"and value {value.shape}")
-        check_probability(dropout_p, "dropout_p")
-        check_scale(scale)
+        dropout_p, scale = check_probability(dropout_p, "dropout_p"), check_scale(scale)
         is_causal, enable_gqa = check_bool(is_causal, "is_causal"), check_bool(enable_gqa, "enable_gqa")
         causal = causal_mode(is_causal, causal_alignment)
         if is_causal and attn_mask is not None:
             raise ValueError("attn_mask must be None when is_causal=True (as in PyTorch): pass one or the other")
-        self.dtype = dtype
+        if need_seed and dropout_p > 0 and seed is None:
+            raise ValueError("seed: the backward with dropout_p > 0 needs the seed given to the forward")
+        self.seed = check_seed(seed, used=dropout_p > 0)
         self.unbatched = query.ndim == 2 and key.ndim == 2 and (value is None or value.ndim == 2)
+        self._sizes(query, key, value, enable_gqa)
+        self.q4 = self._as4(query, self.Hq, self.L, self.D)
+        self.k4 = self._as4(key, self.Hk, self.S, self.D, self.k_repeat)
+        self.v4 = np.zeros((self.N, self.Hk, self.S, 0), dtype) if value is None else \
+            self._as4(value, self.Hk, self.S, self.Dv, self.v_repeat)
+        masks = [] if attn_mask is None else [self._mask(attn_mask)]
+        self.params, self.sinks = attention_params(
+            self.batch, self.Hq, dtype, scale=score_scale(scale, self.D), causal=causal, dropout_p=dropout_p,
+            seed=self.seed, masks=masks, window=window, alibi_slopes=alibi_slopes, softcap=softcap, sinks=sinks)
+
+    def _sizes(self, query, key, value, enable_gqa):
+        """The broadcast batch shape B..., the heads (GQA: the key and value heads repeated to Hq when they
+        differ) and L, S, D, Dv, N; MemoryError for a call too large to allocate."""
         L, D, S = query.shape[-2], query.shape[-1], key.shape[-2]
         Dv = value.shape[-1] if value is not None else 0
-        lead = lambda x: (x.shape[:-2] if x.ndim >= 3 else (1,)) if x is not None else ()  # (B..., H)
+        lead = lambda x: x.shape[:-2] if x.ndim >= 3 else (1,)  # (B..., H)
         q_lead, k_lead = lead(query), lead(key)
         v_lead = lead(value) if value is not None else k_lead
         if enable_gqa:
@@ -186,7 +199,7 @@ class _Problem:
                                  f"heads; got query {query.shape}, key {key.shape}, value "
                                  f"{None if value is None else value.shape}")
             batch = broadcast_shape("query, key and value batch dimensions", q_lead[:-1], k_lead[:-1],
-                                     v_lead[:-1])
+                                    v_lead[:-1])
         else:
             full = broadcast_shape("query, key and value batch and head dimensions", q_lead, k_lead, v_lead)
             batch, Hq = full[:-1], full[-1]
@@ -201,27 +214,18 @@ class _Problem:
         if self.N * Hq * max(L, S) * max(L, S, D, Dv, 1) > MAX_ELEMENTS:  # (as np.empty's MemoryError)
             raise MemoryError(f"attention of batch {tuple(batch)}, {Hq} heads, L={L}, S={S}, D={D}, Dv={Dv}: too "
                               f"large to allocate")
-        self.q4 = self._as4(query, Hq, L, D)
-        self.k4 = self._as4(key, Hk, S, D, self.k_repeat)
-        self.v4 = self._as4(value, Hk, S, Dv, self.v_repeat) if value is not None else np.zeros((self.N, Hk, S, 0),
-                                                                                                   dtype)
-        if need_seed and dropout_p > 0 and seed is None:
-            raise ValueError("seed: the backward with dropout_p > 0 needs the seed given to the forward")
-        self.seed = check_seed(seed, used=dropout_p > 0)
-        masks = []
-        if attn_mask is not None:
-            m = additive_mask(attn_mask, dtype, "attn_mask", true_means_masked=False)
-            full_shape = tuple(batch) + (Hq, L, S)
-            try:
-                if np.broadcast_shapes(m.shape, full_shape) != full_shape:
-                    raise ValueError
-            except ValueError:
-                raise ValueError(f"attn_mask: shape {attn_mask.shape} does not broadcast to (B..., Hq, L, S) = "
-                                 f"{full_shape}") from None
-            masks.append(mask_arg(m, full_shape))
-        self.params, self.sinks = attention_params(
-            batch, Hq, dtype, scale=score_scale(scale, D), causal=causal, dropout_p=float(dropout_p), seed=self.seed,
-            masks=masks, window=window, alibi_slopes=alibi_slopes, softcap=softcap, sinks=sinks)
+
+    def _mask(self, attn_mask):
+        """``attn_mask`` (bool: True = take part; or float, added) as the core's mask over (B..., Hq, L, S)."""
+        m = additive_mask(attn_mask, self.dtype, "attn_mask", true_means_masked=False)
+        full_shape = tuple(self.batch) + (self.Hq, self.L, self.S)
+        try:
+            if np.broadcast_shapes(m.shape, full_shape) != full_shape:
+                raise ValueError
+        except ValueError:
+            raise ValueError(f"attn_mask: shape {attn_mask.shape} does not broadcast to (B..., Hq, L, S) = "
+                             f"{full_shape}") from None
+        return mask_arg(m, full_shape)
 
     def _as4(self, x, H, rows, cols, repeat=1):
         """``x`` as (N, H, rows, cols), a view where possible; its heads repeated ``repeat`` times (GQA)."""
