@@ -207,32 +207,33 @@ void dropout_backward(const py::array& grad_input, const py::array& grad_output,
 }
 
 // -------------------------------------------------------------------------------------------------- embedding
-void embedding_forward(const py::array& out, const py::array& index, const py::array& weight) {
-  dispatch(weight, "weight", [&](auto t) {
+// Embedding forward (out (N, E) = the rows `index` of table = weight (V, E)) or backward (the rows of
+// grad_output (N, E) added into table = grad_weight at `index`): N int64 values in [0, V).
+void embedding(const py::array& table, const py::array& rows, const py::array& index, bool backward) {
+  const char* table_name = backward ? "grad_weight" : "weight";
+  const char* rows_name = backward ? "grad_output" : "out";
+  dispatch(table, table_name, [&](auto t) {
     using T = typename decltype(t)::type;
-    expect_ndim(weight, "weight", 2);
-    const int64_t N = index.size(), E = weight.shape(1);
-    expect_shape(out, "out", {N, E});
-    T* o = contiguous_ptr<T>(out, "out", true);
-    const T* w = contiguous_ptr<T>(weight, "weight", false);
-    const auto idx = indices(index, "input", weight.shape(0));
+    expect_ndim(table, table_name, 2);
+    const int64_t N = index.size(), E = table.shape(1);
+    expect_shape(rows, rows_name, {N, E});
+    T* table_p = contiguous_ptr<T>(table, table_name, backward);
+    T* rows_p = contiguous_ptr<T>(rows, rows_name, !backward);
+    const auto idx = indices(index, "input", table.shape(0));
     py::gil_scoped_release release;
-    kernels<T>().embedding_forward(o, idx.data(), w, N, E);
+    if (backward)
+      kernels<T>().embedding_backward(table_p, rows_p, idx.data(), N, E);
+    else
+      kernels<T>().embedding_forward(rows_p, idx.data(), table_p, N, E);
   });
 }
 
+void embedding_forward(const py::array& out, const py::array& index, const py::array& weight) {
+  embedding(weight, out, index, false);
+}
+
 void embedding_backward(const py::array& grad_weight, const py::array& grad_output, const py::array& index) {
-  dispatch(grad_weight, "grad_weight", [&](auto t) {
-    using T = typename decltype(t)::type;
-    expect_ndim(grad_weight, "grad_weight", 2);
-    const int64_t N = index.size(), E = grad_weight.shape(1);
-    expect_shape(grad_output, "grad_output", {N, E});
-    T* dw = contiguous_ptr<T>(grad_weight, "grad_weight", true);
-    const T* g = contiguous_ptr<T>(grad_output, "grad_output", false);
-    const auto idx = indices(index, "input", grad_weight.shape(0));
-    py::gil_scoped_release release;
-    kernels<T>().embedding_backward(dw, g, idx.data(), N, E);
-  });
+  embedding(grad_weight, grad_output, index, true);
 }
 
 // ---------------------------------------------------------------------------------------------- cross entropy

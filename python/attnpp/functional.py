@@ -277,42 +277,7 @@ def scaled_dot_product_attention_forward(query, key, value, attn_mask=None, drop
 
     ``softmax(scale * query key^T + attn_mask) value``, with dropout on the weights.
 
-    Args:
-        query (ndarray): (B..., Hq, L, D), or (L, D) unbatched; float32 or float64.
-        key (ndarray): (B..., Hk, S, D), same dtype. B... broadcasts against the query's.
-        value (ndarray): (B..., Hv, S, Dv), same dtype; Hv = Hk unless ``enable_gqa``.
-        attn_mask (ndarray, optional): broadcastable to (B..., Hq, L, S), any number of dimensions (a 1-D mask
-            (S,) applies to every query). Boolean: True where a key *takes part* (False masks it out). Float (the
-            query's dtype): added to the scores. Default: None.
-        dropout_p (float): probability of zeroing each attention weight, in [0, 1); the kept ones are scaled by
-            1 / (1 - dropout_p). Default: 0.0.
-        is_causal (bool): mask the keys after each query (upper triangle), aligned top-left when L != S, as in
-            PyTorch (see ``causal_alignment``). Needs ``attn_mask=None``. Default: False.
-        scale (float, optional): factor on q k^T. Default: 1 / sqrt(D).
-        enable_gqa (bool): grouped-query attention: Hq a multiple of Hk and of Hv, query head h uses key head
-            h // (Hq // Hk) and value head h // (Hq // Hv), as PyTorch. Default: False (then H broadcasts like
-            the batch dimensions).
-        seed (int, optional): dropout seed. The same seed gives the same mask, whatever the thread count. None
-            draws one from attnpp's global generator (see ``attnpp.manual_seed``). Default: None.
-        causal_alignment (str): ``"top_left"`` (PyTorch's ``is_causal``: query i sees keys j <= i) or
-            ``"bottom_right"`` (query i sees keys j <= i + S - L, like ``causal_lower_right``). Default:
-            ``"top_left"``.
-        window (tuple of 2 ints, optional): sliding-window (local) attention, FlashAttention's ``window_size``
-            (Beltagy et al., "Longformer", 2020; Mistral 7B): ``(left, right)``, query i sees keys j with
-            i + S - L - left <= j <= i + S - L + right (positions aligned bottom-right, as FlashAttention); -1
-            leaves a side unbounded. Combines with ``is_causal`` (a causal window of w: ``is_causal=True,
-            window=(w, 0)``) and the masks. The key blocks outside every row's window are skipped: the work
-            follows the visible area. Default: None.
-        alibi_slopes (ndarray, optional): ALiBi (Press et al., "Train Short, Test Long", 2022), one slope per
-            query head, (Hq,) or (B..., Hq), any float dtype (used in the query's): adds
-            -slope * |i + S - L - j| to the scores (FlashAttention's convention). ``get_alibi_slopes(Hq)`` gives
-            the paper's slopes. Default: None.
-        softcap (float, optional): logit soft-capping (Gemma 2, Team Gemma 2024): the scores become
-            ``softcap * tanh(scores / softcap)`` before the masks and ALiBi are added. Default: None (no cap).
-        sinks (ndarray, optional): attention sinks (gpt-oss, OpenAI 2025; Xiao et al., "Efficient Streaming
-            Language Models with Attention Sinks", 2023): (Hq,), the query's dtype, a learned logit per head that
-            joins every softmax's denominator and takes no value: the weights of a row sum to
-            1 - exp(sink - logsumexp). The backward returns its gradient. Default: None.
+    Args: those of ``scaled_dot_product_attention``, each described there.
 
     Returns:
         ``AttentionForward(output, logsumexp, seed)``, a named tuple: output (B..., Hq, L, Dv) (or (L, Dv)
@@ -325,25 +290,10 @@ def scaled_dot_product_attention_forward(query, key, value, attn_mask=None, drop
     backward: ``out, lse, seed = scaled_dot_product_attention_forward(q, k, v, dropout_p=0.1)``, then
     ``scaled_dot_product_attention_backward(grad, q, k, v, out, lse, dropout_p=0.1, seed=seed)``.
 
-    Raises:
-        TypeError: query, key or value not a float32/float64 ndarray, mixed dtypes, a mask of another dtype,
-            is_causal or enable_gqa not a bool.
-        ValueError: shapes that do not agree or broadcast (named with their shapes), a mask that does not
-            broadcast to (B..., Hq, L, S), dropout_p outside [0, 1), attn_mask given with is_causal=True, a window
-            side below -1, a negative or infinite softcap, alibi_slopes or sinks of another shape than (Hq,).
-        MemoryError: a problem too large to allocate.
+    Raises: as ``scaled_dot_product_attention``.
 
-    A query row whose keys are all masked gives output 0 and gradient 0, never NaN (as PyTorch >= 2.5).
-    NaN and inf propagate as in PyTorch's math backend (a NaN score makes its row NaN; a NaN value reaches every
-    query that weights its key), with one difference: a key of weight exactly 0 multiplies its value by 0 (so a
-    NaN there gives NaN, as in PyTorch) except where attnpp skips it: key blocks wholly above the causal
-    diagonal or masked, and fully masked rows (output 0). PyTorch's flash backend skips other keys, so its
-    backends differ there too. Large scores do not overflow (the softmax subtracts each row's maximum); the
-    backward and the weights, recomputed from the rounded log-sum-exp, carry an extra relative error of about
-    eps * |score| (FlashAttention-2's, and PyTorch's flash backward's): float32 scores of 1e3 give about 1e-4.
-
-    Method: Vaswani et al., "Attention Is All You Need" (2017); computed as FlashAttention-2 (Dao, 2023): key
-    blocks with an online softmax, only the output and the log-sum-exp saved, so memory grows with L, not L*S.
+    Fully masked rows, NaN and inf, accuracy at large scores and the method: as ``scaled_dot_product_attention``
+    says.
     """
     p = _Problem(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, seed, causal_alignment,
                  window=window, alibi_slopes=alibi_slopes, softcap=softcap, sinks=sinks)
@@ -474,17 +424,8 @@ def scaled_dot_product_attention_backward(grad_output, query, key, value, output
             below -1, a negative or infinite softcap, alibi_slopes or sinks of another shape than (Hq,).
         MemoryError: a problem too large to allocate.
 
-    A query row whose keys are all masked gives output 0 and gradient 0, never NaN (as PyTorch >= 2.5).
-    NaN and inf propagate as in PyTorch's math backend (a NaN score makes its row NaN; a NaN value reaches every
-    query that weights its key), with one difference: a key of weight exactly 0 multiplies its value by 0 (so a
-    NaN there gives NaN, as in PyTorch) except where attnpp skips it: key blocks wholly above the causal
-    diagonal or masked, and fully masked rows (output 0). PyTorch's flash backend skips other keys, so its
-    backends differ there too. Large scores do not overflow (the softmax subtracts each row's maximum); the
-    backward and the weights, recomputed from the rounded log-sum-exp, carry an extra relative error of about
-    eps * |score| (FlashAttention-2's, and PyTorch's flash backward's): float32 scores of 1e3 give about 1e-4.
-
-    Method: Vaswani et al., "Attention Is All You Need" (2017); computed as FlashAttention-2 (Dao, 2023): key
-    blocks with an online softmax, only the output and the log-sum-exp saved, so memory grows with L, not L*S.
+    Fully masked rows, NaN and inf, accuracy at large scores and the method: as ``scaled_dot_product_attention``
+    says.
     """
     p = _Problem(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, seed, causal_alignment,
                  need_seed=True, window=window, alibi_slopes=alibi_slopes, softcap=softcap, sinks=sinks)
@@ -518,40 +459,9 @@ def scaled_dot_product_attention_weights(query, key, attn_mask=None, dropout_p=0
     dropout_p > 0 the weights are those after dropout (zeros and 1 / (1 - dropout_p) scaling), for ``seed``.
 
     Args:
-        query (ndarray): (B..., Hq, L, D), or (L, D) unbatched; float32 or float64.
-        key (ndarray): (B..., Hk, S, D), same dtype. B... broadcasts against the query's.
-        attn_mask (ndarray, optional): broadcastable to (B..., Hq, L, S), any number of dimensions (a 1-D mask
-            (S,) applies to every query). Boolean: True where a key *takes part* (False masks it out). Float (the
-            query's dtype): added to the scores. Default: None.
-        dropout_p (float): probability of zeroing each attention weight, in [0, 1); the kept ones are scaled by
-            1 / (1 - dropout_p). Default: 0.0.
-        is_causal (bool): mask the keys after each query (upper triangle), aligned top-left when L != S, as in
-            PyTorch (see ``causal_alignment``). Needs ``attn_mask=None``. Default: False.
-        scale (float, optional): factor on q k^T. Default: 1 / sqrt(D).
-        enable_gqa (bool): grouped-query attention: Hq a multiple of Hk, query head h uses key head
-            h // (Hq // Hk), as PyTorch. Default: False (then H broadcasts like the batch dimensions).
-        seed (int, optional): dropout seed (the forward's, for the weights it used). The same seed gives the
-            same mask, whatever the thread count. None draws one from attnpp's global generator (see
-            ``attnpp.manual_seed``). Default: None.
-        causal_alignment (str): ``"top_left"`` (PyTorch's ``is_causal``: query i sees keys j <= i) or
-            ``"bottom_right"`` (query i sees keys j <= i + S - L, like ``causal_lower_right``). Default:
-            ``"top_left"``.
-        window (tuple of 2 ints, optional): sliding-window (local) attention, FlashAttention's ``window_size``
-            (Beltagy et al., "Longformer", 2020; Mistral 7B): ``(left, right)``, query i sees keys j with
-            i + S - L - left <= j <= i + S - L + right (positions aligned bottom-right, as FlashAttention); -1
-            leaves a side unbounded. Combines with ``is_causal`` (a causal window of w: ``is_causal=True,
-            window=(w, 0)``) and the masks. The key blocks outside every row's window are skipped: the work
-            follows the visible area. Default: None.
-        alibi_slopes (ndarray, optional): ALiBi (Press et al., "Train Short, Test Long", 2022), one slope per
-            query head, (Hq,) or (B..., Hq), any float dtype (used in the query's): adds
-            -slope * |i + S - L - j| to the scores (FlashAttention's convention). ``get_alibi_slopes(Hq)`` gives
-            the paper's slopes. Default: None.
-        softcap (float, optional): logit soft-capping (Gemma 2, Team Gemma 2024): the scores become
-            ``softcap * tanh(scores / softcap)`` before the masks and ALiBi are added. Default: None (no cap).
-        sinks (ndarray, optional): attention sinks (gpt-oss, OpenAI 2025; Xiao et al., "Efficient Streaming
-            Language Models with Attention Sinks", 2023): (Hq,), the query's dtype, a learned logit per head that
-            joins every softmax's denominator and takes no value: the weights of a row sum to
-            1 - exp(sink - logsumexp). Default: None.
+        query, key, attn_mask, dropout_p, is_causal, scale, enable_gqa, seed, causal_alignment, window,
+            alibi_slopes, softcap, sinks: as ``scaled_dot_product_attention``'s (seed: the forward's, for the
+            weights it used).
         logsumexp (ndarray, optional): (B..., Hq, L), the forward's, saves recomputing it. Default: None.
 
     Returns:
@@ -566,17 +476,8 @@ def scaled_dot_product_attention_weights(query, key, attn_mask=None, dropout_p=0
             alibi_slopes or sinks of another shape than (Hq,).
         MemoryError: a problem too large to allocate (the weights are checked first, before any work).
 
-    A query row whose keys are all masked gives output 0 and gradient 0, never NaN (as PyTorch >= 2.5).
-    NaN and inf propagate as in PyTorch's math backend (a NaN score makes its row NaN; a NaN value reaches every
-    query that weights its key), with one difference: a key of weight exactly 0 multiplies its value by 0 (so a
-    NaN there gives NaN, as in PyTorch) except where attnpp skips it: key blocks wholly above the causal
-    diagonal or masked, and fully masked rows (output 0). PyTorch's flash backend skips other keys, so its
-    backends differ there too. Large scores do not overflow (the softmax subtracts each row's maximum); the
-    backward and the weights, recomputed from the rounded log-sum-exp, carry an extra relative error of about
-    eps * |score| (FlashAttention-2's, and PyTorch's flash backward's): float32 scores of 1e3 give about 1e-4.
-
-    Method: Vaswani et al., "Attention Is All You Need" (2017); computed as FlashAttention-2 (Dao, 2023): key
-    blocks with an online softmax, only the output and the log-sum-exp saved, so memory grows with L, not L*S.
+    Fully masked rows, NaN and inf, accuracy at large scores and the method: as ``scaled_dot_product_attention``
+    says.
     """
     p = _Problem(query, key, None, attn_mask, dropout_p, is_causal, scale, enable_gqa, seed, causal_alignment,
                  has_value=False, window=window, alibi_slopes=alibi_slopes, softcap=softcap, sinks=sinks)
