@@ -1373,7 +1373,10 @@ def sdpa_params(core, names, values):
         masks = [core.AttentionMask(*m) if type(m) in (tuple, list) else m for m in masks]
     if type(fields.get("causal")) is int:
         fields["causal"] = core.Causal(fields["causal"])
-    return core.AttentionParams(masks=masks, **fields)
+    params = core.AttentionParams()
+    for name, value in dict(fields, masks=masks).items():
+        setattr(params, name, value)
+    return params
 
 
 def invoke(core, call, args):

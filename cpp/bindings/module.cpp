@@ -352,19 +352,6 @@ py::dict build_config() {
   return config;
 }
 
-// AttentionParams(**fields): the defaults, then each keyword set as the attribute of its name (TypeError for
-// another name), so that a new field needs no edit here.
-AttentionParams params_from(const py::kwargs& fields) {
-  py::object params = py::cast(AttentionParams{});
-  for (const auto& [key, value] : fields) {
-    const auto name = key.cast<std::string>();
-    if (name.empty() || name[0] == '_' || !py::hasattr(params, name.c_str()))
-      throw py::type_error("AttentionParams: unexpected keyword argument '" + name + "'");
-    py::setattr(params, key, value);
-  }
-  return params.cast<AttentionParams>();
-}
-
 }  // namespace
 
 PYBIND11_MODULE(_core, m) {
@@ -400,7 +387,7 @@ PYBIND11_MODULE(_core, m) {
                               "softcap (0 none), alibi_slopes ((1 or N, Hq) or None), sinks ((Hq,) or None), "
                               "cu_seqlens_q and cu_seqlens_k ((N + 1,) int64: packed sequences in the arrays' one "
                               "batch entry), seqlens_k ((N,) int64: keys per batch entry, a KV cache).")
-      .def(py::init(&params_from), "The defaults, with each keyword argument set as the attribute of its name.")
+      .def(py::init<>(), "The defaults; the fields are then set as attributes.")
       .def_readwrite("scale", &AttentionParams::scale)
       .def_readwrite("causal", &AttentionParams::causal)
       .def_readwrite("dropout_p", &AttentionParams::dropout_p)

@@ -55,8 +55,8 @@ class AttentionMask:
 class AttentionParams:
     """The parameters of sdpa_forward/backward/weights besides the arrays, each an attribute with its default."""
 
-    def __init__(self, **kwargs: Any) -> None:
-        """The defaults, with each keyword argument set as the attribute of its name (TypeError for another name)."""
+    def __init__(self) -> None:
+        """The defaults; the fields are then set as attributes."""
     scale: float  # 1.0; the factor on q k^T
     causal: Causal  # Causal.none
     dropout_p: float  # 0.0

@@ -134,8 +134,14 @@ def attention_params(batch, Hq, dtype, *, scale, causal=_core.Causal.none, dropo
     ``dtype``, the variants' options checked here, and the sinks array (or None). ``masks``: ``mask_arg``'s;
     ``sequences``: cu_seqlens_q and cu_seqlens_k, or seqlens_k, already checked."""
     window, softcap = check_window(window), check_softcap(softcap)
-    params = _core.AttentionParams(scale=scale, causal=causal, dropout_p=dropout_p, seed=seed, masks=list(masks),
-                                   **sequences)
+    params = _core.AttentionParams()  # (the defaults, then what differs: the cheapest way to build one)
+    params.scale, params.causal = scale, causal
+    if dropout_p:
+        params.dropout_p, params.seed = dropout_p, seed
+    if masks:
+        params.masks = list(masks)
+    for name, value in sequences.items():
+        setattr(params, name, value)
     if window is not None:
         params.window_left, params.window_right = window
     if softcap is not None:
