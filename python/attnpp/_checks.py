@@ -123,6 +123,32 @@ def check_loss_grad(grad_output, dtype, shape):
         raise ValueError(f"grad_output: expected shape {shape} (the loss's), got {grad_output.shape}")
 
 
+def check_attention_layer_shapes(x, context, key_padding_mask, embed_dim, kv_dim, context_length):
+    """The shapes of an attention layer's inputs (``attnpp.nn.Attention``'s and ``attnpp.torch.Attention``'s:
+    arrays or tensors, their types checked by the layer): x (B, L, embed_dim) or (L, embed_dim); context (B, S,
+    kv_dim) or (S, kv_dim) like x, or None for x itself (then kv_dim must be embed_dim); key_padding_mask (B, S)
+    or (S,), or None; L and S at most ``context_length`` (None: any). Returns the context; ValueError naming the
+    input at fault and the shapes."""
+    xs = tuple(x.shape)
+    if len(xs) not in (2, 3) or xs[-1] != embed_dim:
+        raise ValueError(f"x: expected (B, L, embed_dim={embed_dim}) or (L, embed_dim), got shape {xs}")
+    if context is None:
+        if kv_dim != embed_dim:
+            raise ValueError(f"context is required: kv_dim={kv_dim} differs from embed_dim={embed_dim}")
+        context = x
+    cs = tuple(context.shape)
+    if len(cs) != len(xs) or cs[-1] != kv_dim:
+        raise ValueError(f"context: expected {len(xs)} dimensions, like x {xs}, the last kv_dim={kv_dim}, got "
+                         f"shape {cs}")
+    if cs[:-2] != xs[:-2]:
+        raise ValueError(f"x and context must have the same batch size, got x {xs} and context {cs}")
+    if context_length is not None and max(xs[-2], cs[-2]) > context_length:
+        raise ValueError(f"sequence longer than context_length={context_length}: x {xs}, context {cs}")
+    if key_padding_mask is not None and tuple(key_padding_mask.shape) != cs[:-1]:
+        raise ValueError(f"key_padding_mask: expected shape (B, S) = {cs[:-1]}, got {tuple(key_padding_mask.shape)}")
+    return context
+
+
 # ------------------------------------------------------------------------------------------------- scalars
 def check_choice(value, name, choices):
     """``value`` if it is one of the strings ``choices``, else ValueError naming ``name`` and the choices."""

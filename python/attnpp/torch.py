@@ -37,8 +37,8 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from . import functional as AF
-from ._checks import check_probability
-from .nn.attention import attention_config, rotary_tables, variant_args
+from ._checks import check_attention_layer_shapes, check_probability
+from .nn.attention import attention_config_of, rotary_tables, variant_args
 
 __all__ = ["scaled_dot_product_attention", "linear", "Linear", "MultiheadAttention", "Attention"]
 
@@ -439,11 +439,7 @@ class Attention(torch.nn.Module):
                  dtype=None):
         super().__init__()
         dtype = _check_dtype(dtype)
-        config = attention_config(embed_dim, num_heads, qk_dim, v_dim, kv_dim, out_dim, out_proj, causal,
-                                  causal_alignment, attn_dropout, out_dropout, scale, context_length,
-                                  window=window, alibi=alibi, softcap=softcap, sinks=sinks, rotary=rotary,
-                                  rotary_dim=rotary_dim, rotary_base=rotary_base,
-                                  rotary_interleaved=rotary_interleaved)
+        config = attention_config_of(locals())
         out_dropout, sinks = config.pop("out_dropout"), config.pop("sinks")
         self.__dict__.update(config)
         self.sinks = torch.nn.Parameter(torch.zeros(self.num_heads, dtype=dtype)) if sinks else None
@@ -456,29 +452,14 @@ class Attention(torch.nn.Module):
         self.last_seed = None
 
     def _check(self, x, context, key_padding_mask):
-        """The context (``x`` for self-attention) after checking the shapes, else ValueError."""
-        _check_tensor(x, "x")
-        if x.dim() not in (2, 3) or x.shape[-1] != self.embed_dim:
-            raise ValueError(f"x: expected (B, L, embed_dim={self.embed_dim}) or (L, embed_dim), got shape "
-                             f"{tuple(x.shape)}")
-        if context is None:
-            if self.kv_dim != self.embed_dim:
-                raise ValueError(f"context is required: kv_dim={self.kv_dim} differs from embed_dim="
-                                 f"{self.embed_dim}")
-            context = x
-        _check_tensor(context, "context")
-        if context.dim() != x.dim() or context.shape[-1] != self.kv_dim or context.shape[:-2] != x.shape[:-2]:
-            raise ValueError(f"context: expected x's batch size and dimensions with last dimension kv_dim="
-                             f"{self.kv_dim}, got x {tuple(x.shape)} and context {tuple(context.shape)}")
-        L, S = x.shape[-2], context.shape[-2]
-        if self.context_length is not None and max(L, S) > self.context_length:
-            raise ValueError(f"sequence longer than context_length={self.context_length}: x {tuple(x.shape)}, "
-                             f"context {tuple(context.shape)}")
-        if key_padding_mask is not None and _check_tensor(key_padding_mask, "key_padding_mask", mask=True).shape \
-                != context.shape[:-1]:
-            raise ValueError(f"key_padding_mask: expected shape (B, S) = {tuple(context.shape[:-1])}, got "
-                             f"{tuple(key_padding_mask.shape)}")
-        return context
+        """The context (``x`` for self-attention), after checking the inputs."""
+        for t, name in ((x, "x"), (context, "context")):
+            if t is not None:
+                _check_tensor(t, name)
+        if key_padding_mask is not None:
+            _check_tensor(key_padding_mask, "key_padding_mask", mask=True)
+        return check_attention_layer_shapes(x, context, key_padding_mask, self.embed_dim, self.kv_dim,
+                                            self.context_length)
 
     def forward(self, x, context=None, key_padding_mask=None, need_weights=False):
         """Attend from ``x`` to ``context`` (or to ``x`` itself).

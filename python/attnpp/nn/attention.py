@@ -1,3 +1,4 @@
+import inspect
 import math
 import numbers
 from collections.abc import Mapping
@@ -113,6 +114,15 @@ def attention_config(embed_dim, num_heads=1, qk_dim=None, v_dim=None, kv_dim=Non
                 window=checks.check_window(window), alibi_slopes=_alibi_slopes(alibi, H),
                 softcap=checks.check_softcap(softcap), sinks=checks.check_bool(sinks, "sinks"),
                 **_rotary_config(rotary, rotary_dim, rotary_base, rotary_interleaved, qk_dim // H))
+
+
+def attention_config_of(arguments):
+    """``attention_config`` of a layer constructor's arguments (its ``locals()``: ``Attention``'s and
+    ``attnpp.torch.Attention``'s, which take the same)."""
+    return attention_config(**{name: arguments[name] for name in _CONFIG_ARGUMENTS})
+
+
+_CONFIG_ARGUMENTS = tuple(inspect.signature(attention_config).parameters)
 
 
 def _alibi_slopes(alibi, num_heads):
@@ -302,11 +312,7 @@ class Attention(Module):
                  sinks=False, rotary=False, rotary_dim=None, rotary_base=10000.0, rotary_interleaved=False,
                  dtype=None):
         super().__init__(dtype)
-        config = attention_config(embed_dim, num_heads, qk_dim, v_dim, kv_dim, out_dim, out_proj, causal,
-                                  causal_alignment, attn_dropout, out_dropout, scale, context_length,
-                                  window=window, alibi=alibi, softcap=softcap, sinks=sinks, rotary=rotary,
-                                  rotary_dim=rotary_dim, rotary_base=rotary_base,
-                                  rotary_interleaved=rotary_interleaved)
+        config = attention_config_of(locals())
         out_dropout, sinks = config.pop("out_dropout"), config.pop("sinks")
         self.__dict__.update(config)
         self.sinks = self.register_parameter("sinks", (self.num_heads,)) if sinks else None  # zeros
@@ -320,31 +326,14 @@ class Attention(Module):
 
     # ----------------------------------------------------------------------------------------------- forward
     def _check(self, x, context, key_padding_mask):
-        checks.check_array(x, "x", ndim=(2, 3), dtype=self.dtype)
-        if x.shape[-1] != self.embed_dim:
-            raise ValueError(f"x: expected last dimension embed_dim={self.embed_dim}, got shape {x.shape}")
-        if context is None:
-            if self.kv_dim != self.embed_dim:
-                raise ValueError(f"context is required: kv_dim={self.kv_dim} differs from embed_dim="
-                                 f"{self.embed_dim}")
-            context = x
-        checks.check_array(context, "context", ndim=x.ndim, dtype=self.dtype)
-        if context.shape[-1] != self.kv_dim:
-            raise ValueError(f"context: expected last dimension kv_dim={self.kv_dim}, got shape {context.shape}")
-        if x.ndim == 3 and context.shape[0] != x.shape[0]:
-            raise ValueError(f"x and context must have the same batch size, got x {x.shape} and context "
-                             f"{context.shape}")
-        L, S = x.shape[-2], context.shape[-2]
-        if self.context_length is not None and max(L, S) > self.context_length:
-            raise ValueError(f"sequence longer than context_length={self.context_length}: x {x.shape}, "
-                             f"context {context.shape}")
-        if key_padding_mask is not None:
-            want = context.shape[:-1]
-            if not isinstance(key_padding_mask, np.ndarray):
-                raise TypeError(f"key_padding_mask: expected a numpy.ndarray, got {type(key_padding_mask).__name__}")
-            if key_padding_mask.shape != want:
-                raise ValueError(f"key_padding_mask: expected shape (B, S) = {want}, got {key_padding_mask.shape}")
-        return context
+        """The context (``x`` for self-attention), after checking the inputs."""
+        checks.check_array(x, "x", dtype=self.dtype)
+        if context is not None:
+            checks.check_array(context, "context", dtype=self.dtype)
+        if key_padding_mask is not None and not isinstance(key_padding_mask, np.ndarray):
+            raise TypeError(f"key_padding_mask: expected a numpy.ndarray, got {type(key_padding_mask).__name__}")
+        return checks.check_attention_layer_shapes(x, context, key_padding_mask, self.embed_dim, self.kv_dim,
+                                                   self.context_length)
 
     def _heads(self, t):
         """(B, T, H * d) as a (B, H, T, d) view."""
