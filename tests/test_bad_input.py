@@ -672,7 +672,8 @@ HAND_TESTED = {  # the arguments the tables above and below test, not by kind
     "optim.AdamW": {"params", "betas"},
 }
 HAND_TESTED["functional.scaled_dot_product_attention_forward"] = HAND_TESTED["functional.scaled_dot_product_attention"]
-HAND_TESTED["functional.scaled_dot_product_attention_backward"] |= HAND_TESTED["functional.scaled_dot_product_attention"]
+HAND_TESTED["functional.scaled_dot_product_attention_backward"] |= \
+    HAND_TESTED["functional.scaled_dot_product_attention"]
 HAND_TESTED["functional.scaled_dot_product_attention_varlen_forward"] = \
     HAND_TESTED["functional.scaled_dot_product_attention_varlen"]
 HAND_TESTED["functional.scaled_dot_product_attention_varlen_backward"] |= \
