@@ -38,6 +38,7 @@ def as_ndarray(x, name, written=False):
     raise TypeError(f"{name}: expected a numpy.ndarray{'' if written else ' or an array with __array__'} or "
                     f"__dlpack__ (a CPU torch tensor), got {type(x).__name__}; convert it with numpy.asarray()")
 
+
 def check_array(x, name, ndim=None, min_ndim=None, dtype=None, written=False):
     """``x`` as an ndarray (see ``as_ndarray``) of float32 or float64 (and of ``dtype`` when given), else
     TypeError/ValueError.
@@ -56,6 +57,7 @@ def check_array(x, name, ndim=None, min_ndim=None, dtype=None, written=False):
         raise ValueError(f"{name}: expected at least {min_ndim} dimensions, got shape {x.shape}")
     return x
 
+
 def broadcast_shape(name, *shapes):
     """NumPy's broadcast of ``shapes`` (without its limit on the total size: a too large result is for the
     caller's MemoryError), else ValueError naming them."""
@@ -67,6 +69,7 @@ def broadcast_shape(name, *shapes):
             raise ValueError(f"{name}: shapes {', '.join(map(str, shapes))} do not broadcast")
         out.append(sizes.pop() if sizes else 1)
     return tuple(out)
+
 
 def check_cumulative(cu, name, total):
     """Cumulative sequence lengths (B + 1,) of ints from 0 to ``total``, non-decreasing, as int64."""
@@ -80,6 +83,7 @@ def check_cumulative(cu, name, total):
                          f"{cu.tolist() if cu.size <= 10 else cu}")
     return np.ascontiguousarray(cu, dtype=np.int64)
 
+
 def check_index(index, name, size, allowed=None):
     """``index`` as a C-contiguous int64 array with values in [0, size) (or equal to ``allowed``)."""
     index = as_ndarray(index, name)
@@ -91,6 +95,7 @@ def check_index(index, name, size, allowed=None):
     if bad.any():
         raise IndexError(f"{name}: value {int(index[bad][0])} out of range [0, {size})")
     return np.asarray(index, dtype=np.int64, order="C")  # (ascontiguousarray would make 0-d arrays 1-d)
+
 
 def check_alibi_slopes(slopes, batch, Hq, dtype):
     """ALiBi slopes broadcast to (B..., Hq), as the core's (N or 1, Hq) array of ``dtype``."""
@@ -104,12 +109,14 @@ def check_alibi_slopes(slopes, batch, Hq, dtype):
         return np.ascontiguousarray(slopes, dtype=dtype).reshape(1, Hq)
     return np.ascontiguousarray(np.broadcast_to(slopes, full), dtype=dtype).reshape(-1, Hq)
 
+
 def check_sinks(sinks, Hq, dtype):
     """The sinks as a (Hq,) array of ``dtype``, else TypeError/ValueError."""
     sinks = check_array(sinks, "sinks", ndim=1, dtype=dtype)
     if sinks.shape != (Hq,):
         raise ValueError(f"sinks: expected shape (Hq,) = ({Hq},), got {sinks.shape}")
     return np.ascontiguousarray(sinks)
+
 
 def check_loss_grad(grad_output, dtype, shape):
     """The gradient of a loss of ``shape``: a real number (when the loss is 0-d) or an ndarray of ``shape`` and
@@ -200,11 +207,13 @@ def check_probability(p, name):
         raise ValueError(f"{name} must be in [0, 1), got {p!r}")
     return float(p)
 
+
 def check_scale(scale):
     """``scale`` as a float or None, else TypeError."""
     if scale is not None and (not isinstance(scale, numbers.Real) or isinstance(scale, bool)):
         raise TypeError(f"scale: expected a float or None, got {type(scale).__name__}")
     return None if scale is None else float(scale)
+
 
 def check_int(value, name, minimum=0):
     """``value`` as an int >= ``minimum``, else TypeError/ValueError naming ``name``."""
@@ -214,11 +223,13 @@ def check_int(value, name, minimum=0):
         raise ValueError(f"{name} must be >= {minimum}, got {value}")
     return int(value)
 
+
 def check_bool(value, name):
     """``value`` as a bool (Python or NumPy), else TypeError naming ``name``."""
     if not isinstance(value, (bool, np.bool_)):
         raise TypeError(f"{name}: expected a bool, got {type(value).__name__}")
     return bool(value)
+
 
 def check_window(window):
     """``window`` as (left, right) ints >= -1 (-1: unbounded on that side), or None; else TypeError/ValueError."""
@@ -227,6 +238,7 @@ def check_window(window):
     if not isinstance(window, (tuple, list)) or len(window) != 2:
         raise TypeError(f"window: expected (left, right), two ints (-1 for unbounded), got {window!r}")
     return tuple(check_int(w, f"window[{i}]", minimum=-1) for i, w in enumerate(window))
+
 
 def check_softcap(softcap):
     """``softcap`` as a float > 0 (finite), or None (0 and None: no cap); else TypeError/ValueError."""
@@ -241,9 +253,11 @@ def check_softcap(softcap):
 _REDUCTIONS = ("mean", "sum", "none")
 _INT64 = np.iinfo(np.int64)
 
+
 def check_reduction(reduction):
     """``reduction`` if it is 'mean', 'sum' or 'none', else ValueError."""
     return check_choice(reduction, "reduction", _REDUCTIONS)
+
 
 def check_ignore_index(ignore_index):
     """``ignore_index`` as an int in int64's range, else TypeError/ValueError."""

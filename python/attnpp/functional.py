@@ -455,7 +455,6 @@ def scaled_dot_product_attention_backward(grad_output, query, key, value, output
     return grads if dsinks is None else grads + (dsinks,)
 
 
-
 def scaled_dot_product_attention_weights(query, key, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
                                          enable_gqa=False, *, seed=None, causal_alignment="top_left",
                                          logsumexp=None, window=None, alibi_slopes=None, softcap=None, sinks=None):
@@ -498,7 +497,6 @@ def scaled_dot_product_attention_weights(query, key, attn_mask=None, dropout_p=0
         lse = np.ascontiguousarray(logsumexp).reshape(p.N, p.Hq, p.L)
     _core.sdpa_weights(weights, lse, p.q4, p.k4, p.params)
     return weights.reshape(p.out_shape(p.L, p.S))
-
 
 
 # ------------------------------------------------------------------------------ packed sequences, KV cache

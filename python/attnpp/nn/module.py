@@ -20,7 +20,6 @@ IncompatibleKeys = namedtuple("IncompatibleKeys", ["missing_keys", "unexpected_k
 PENDING_CONTEXTS_WARNING = 1000
 
 
-
 def to_numpy(value, name):
     """A state-dict value (NumPy array or torch tensor, without importing torch) as a NumPy array."""
     if hasattr(value, "detach") and hasattr(value, "cpu"):
