@@ -250,6 +250,7 @@ def check_softcap(softcap):
         raise ValueError(f"softcap must be a finite number >= 0 (0 or None: no cap), got {softcap!r}")
     return float(softcap) or None
 
+
 _REDUCTIONS = ("mean", "sum", "none")
 _INT64 = np.iinfo(np.int64)
 
