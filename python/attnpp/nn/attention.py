@@ -102,6 +102,8 @@ def attention_config(embed_dim, num_heads=1, qk_dim=None, v_dim=None, kv_dim=Non
     if not checks.check_bool(out_proj, "out_proj") and out_dim is not None and out_dim != v_dim:
         raise ValueError(f"out_dim={out_dim} needs out_proj=True (without it the output width is v_dim)")
     scale = checks.check_scale(scale)
+    if context_length is not None:
+        context_length = checks.check_int(context_length, "context_length", 1)
     return dict(embed_dim=E, num_heads=H, qk_dim=qk_dim, v_dim=v_dim,
                 kv_dim=E if kv_dim is None else checks.check_int(kv_dim, "kv_dim", 1),
                 out_dim=v_dim if out_dim is None or not out_proj else out_dim,
@@ -109,8 +111,7 @@ def attention_config(embed_dim, num_heads=1, qk_dim=None, v_dim=None, kv_dim=Non
                 attn_dropout=checks.check_probability(attn_dropout, "attn_dropout"),
                 out_dropout=checks.check_probability(out_dropout, "out_dropout"),
                 scale=(qk_dim // H) ** -0.5 if scale is None else scale,
-                context_length=None if context_length is None else checks.check_int(context_length, "context_length",
-                                                                                    1),
+                context_length=context_length,
                 window=checks.check_window(window), alibi_slopes=_alibi_slopes(alibi, H),
                 softcap=checks.check_softcap(softcap), sinks=checks.check_bool(sinks, "sinks"),
                 **_rotary_config(rotary, rotary_dim, rotary_base, rotary_interleaved, qk_dim // H))
