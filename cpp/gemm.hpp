@@ -290,13 +290,11 @@ template <typename T>
 void gemm_parallel(T* C, int64_t ldc, Operand<T> A, Operand<T> B, int64_t M, int64_t N, int64_t K, T alpha,
                    Write write) {
   constexpr int64_t kMC = 120, kNC = 256, kKC = 256;  // kNC: a multiple of every level's panel width
-  const int64_t ars = A.rs, acs = A.cs, brs = B.rs, bcs = B.cs;
-  const bool accumulate = write == Write::accumulate;
-  const bool packed = bcs != 1 || M > kMC;
+  const bool packed = B.cs != 1 || M > kMC;
   PackedB<T> b;
   if (packed) {
     b.resize(K, N);
-    parallel_for(ceil_div(N, b.kPanel), K * N, [&](int64_t p) { b.pack_panel(B.data, brs, bcs, p * b.kPanel); });
+    parallel_for(ceil_div(N, b.kPanel), K * N, [&](int64_t p) { b.pack_panel(B.data, B.rs, B.cs, p * b.kPanel); });
   }
   const int64_t m_blocks = ceil_div(M, kMC), n_blocks = ceil_div(N, kNC);
   const int64_t k_slices = std::max<int64_t>(1, ceil_div(K, kKC));  // one (empty) slice when K = 0 zeroes C
@@ -308,12 +306,12 @@ void gemm_parallel(T* C, int64_t ldc, Operand<T> A, Operand<T> B, int64_t M, int
         for (int64_t s = 0; s < k_slices; ++s) {
           const int64_t k0 = s * kKC, kc = std::min(kKC, K - k0);
           T* c = C + i0 * ldc + j0;
-          const T* a = A.data + i0 * ars + k0 * acs;
-          const Write w = accumulate || s > 0 ? Write::accumulate : Write::assign;
+          const Operand<T> a{A.data + i0 * A.rs + k0 * A.cs, A.rs, A.cs};  // rows i0.., columns k0..
+          const Write w = s > 0 ? Write::accumulate : write;  // (the later slices add to the first)
           if (packed)
-            gemm(c, ldc, Operand<T>{a, ars, acs}, b, rows, cols, kc, alpha, w, k0, j0);
+            gemm(c, ldc, a, b, rows, cols, kc, alpha, w, k0, j0);
           else
-            gemm_unpacked(c, ldc, Operand<T>{a, ars, acs}, B.data + k0 * brs + j0, brs, rows, cols, kc, alpha, w);
+            gemm_unpacked(c, ldc, a, B.data + k0 * B.rs + j0, B.rs, rows, cols, kc, alpha, w);
         }
       },
       true);

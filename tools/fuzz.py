@@ -1374,7 +1374,8 @@ def sdpa_params(core, names, values):
     if type(fields.get("causal")) is int:
         fields["causal"] = core.Causal(fields["causal"])
     params = core.AttentionParams()
-    for name, value in dict(fields, masks=masks).items():
+    params.masks = masks
+    for name, value in fields.items():
         setattr(params, name, value)
     return params
 

@@ -32,6 +32,7 @@ __all__ = [
 ]
 
 _CAUSAL = {"top_left": _core.Causal.top_left, "bottom_right": _core.Causal.bottom_right}
+_ALIGNMENTS = tuple(_CAUSAL)
 
 
 _POOLED_BYTES = 1 << 20  # outputs at least this large come from the core's recycled buffers
@@ -68,7 +69,7 @@ def score_scale(scale, D):
 
 def causal_mode(is_causal, causal_alignment):
     """The core's ``Causal`` value (none, top_left, bottom_right); ValueError for an unknown alignment."""
-    alignment = check_choice(causal_alignment, "causal_alignment", tuple(_CAUSAL))
+    alignment = check_choice(causal_alignment, "causal_alignment", _ALIGNMENTS)
     return _CAUSAL[alignment] if is_causal else _core.Causal.none
 
 
@@ -131,7 +132,8 @@ def last_dim_contiguous(x):
 def attention_params(batch, Hq, dtype, *, scale, causal=_core.Causal.none, dropout_p=0.0, seed=0, masks=(),
                      window=None, alibi_slopes=None, softcap=None, sinks=None, **sequences):
     """The core's ``AttentionParams`` of one attention call over ``batch`` (B...) and ``Hq`` query heads of
-    ``dtype``, the variants' options checked here, and the sinks array (or None). ``masks``: ``mask_arg``'s;
+    ``dtype``, the variants' options checked here (``params.sinks``: the checked sinks or None). ``masks``:
+    ``mask_arg``'s;
     ``sequences``: cu_seqlens_q and cu_seqlens_k, or seqlens_k, already checked."""
     window, softcap = check_window(window), check_softcap(softcap)
     params = _core.AttentionParams()  # (the defaults, then what differs: the cheapest way to build one)
@@ -149,8 +151,8 @@ def attention_params(batch, Hq, dtype, *, scale, causal=_core.Causal.none, dropo
     if alibi_slopes is not None:
         params.alibi_slopes = check_alibi_slopes(alibi_slopes, batch, Hq, dtype)
     if sinks is not None:
-        sinks = params.sinks = check_sinks(sinks, Hq, dtype)
-    return params, sinks
+        params.sinks = check_sinks(sinks, Hq, dtype)
+    return params
 
 
 class _Problem:
@@ -184,7 +186,7 @@ class _Problem:
         self.v4 = np.zeros((self.N, self.Hk, self.S, 0), dtype) if value is None else \
             self._as4(value, self.Hk, self.S, self.Dv, self.v_repeat)
         masks = [] if attn_mask is None else [self._mask(attn_mask)]
-        self.params, self.sinks = attention_params(
+        self.params = attention_params(
             self.batch, self.Hq, dtype, scale=score_scale(scale, self.D), causal=causal, dropout_p=dropout_p,
             seed=self.seed, masks=masks, window=window, alibi_slopes=alibi_slopes, softcap=softcap, sinks=sinks)
 
@@ -447,7 +449,7 @@ def scaled_dot_product_attention_backward(grad_output, query, key, value, output
     dq = _zeros((p.N, p.Hq, p.L, p.D), p.dtype)
     dk = _zeros((p.N, p.Hk, p.S, p.D), p.dtype)
     dv = _zeros((p.N, p.Hk, p.S, p.Dv), p.dtype)
-    dsinks = None if p.sinks is None else np.zeros(p.Hq, p.dtype)
+    dsinks = None if p.params.sinks is None else np.zeros(p.Hq, p.dtype)
     _core.sdpa_backward(dq, dk, dv, four(grad_output, (p.L, p.Dv)), four(output, (p.L, p.Dv)),
                         four(logsumexp, (p.L,)), p.q4, p.k4, p.v4, p.params,
                         grad_sinks=dsinks)
@@ -528,7 +530,7 @@ class _Varlen:
         if need_seed and dropout_p > 0 and seed is None:
             raise ValueError("seed: the backward with dropout_p > 0 needs the seed given to the forward")
         self.seed = check_seed(seed, used=dropout_p > 0)
-        self.params, self.sinks = attention_params(
+        self.params = attention_params(
             (self.B,), self.Hq, dt, scale=score_scale(scale, self.D), causal=causal, dropout_p=float(dropout_p),
             seed=self.seed, window=window, alibi_slopes=alibi_slopes, softcap=softcap, sinks=sinks,
             cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
@@ -617,7 +619,7 @@ def scaled_dot_product_attention_varlen_backward(grad_output, query, key, value,
             raise ValueError(f"{name}: expected shape {shape}, got {arrays[-1].shape}")
     grad_output, output, logsumexp = arrays
     dq, dk, dv = (_zeros(shape, p.dtype) for shape in ((p.Tq, p.Hq, p.D), (p.Tk, p.Hk, p.D), (p.Tk, p.Hk, p.Dv)))
-    dsinks = None if p.sinks is None else np.zeros(p.Hq, p.dtype)
+    dsinks = None if p.params.sinks is None else np.zeros(p.Hq, p.dtype)
     _core.sdpa_backward(p.heads(dq), p.heads(dk), p.heads(dv), p.heads(grad_output), p.heads(output),
                         np.ascontiguousarray(logsumexp)[None], p.q4, p.k4, p.v4, p.params,
                         grad_sinks=dsinks)
@@ -692,10 +694,10 @@ def scaled_dot_product_attention_with_kvcache(query, key_cache, value_cache, cac
         if not c.flags.writeable or (c.shape[-1] > 1 and c.strides[-1] != c.itemsize):
             raise ValueError(f"{name}: expected a writeable array whose last dimension is contiguous")
     lengths = lengths.astype(np.int64)
-    params, _ = attention_params((B,), Hq, dt, scale=score_scale(scale, D),
-                                 causal=causal_mode(check_bool(is_causal, "is_causal"), "bottom_right"),
-                                 window=window, alibi_slopes=alibi_slopes, softcap=softcap, sinks=sinks,
-                                 seqlens_k=lengths + new)
+    params = attention_params((B,), Hq, dt, scale=score_scale(scale, D),
+                              causal=causal_mode(check_bool(is_causal, "is_causal"), "bottom_right"),
+                              window=window, alibi_slopes=alibi_slopes, softcap=softcap, sinks=sinks,
+                              seqlens_k=lengths + new)
     if new:
         for b, s in enumerate(lengths.tolist()):  # the new tokens, in place
             key_cache[b, :, s:s + new] = key[b]

@@ -353,7 +353,7 @@ class Attention(Module):
         return F.attention_params((batch,), self.num_heads, self.dtype, scale=self.scale,
                                   causal=F.causal_mode(self.causal, self.causal_alignment), dropout_p=dropout_p,
                                   seed=seed, masks=masks, window=self.window, alibi_slopes=self.alibi_slopes,
-                                  softcap=self.softcap, sinks=sinks)[0]
+                                  softcap=self.softcap, sinks=sinks)
 
     def _rotate(self, heads, offset, backward=False):
         """RoPE on (B, H, T, d) query or key heads at positions offset .. offset + T - 1 (offset an int or (B,)

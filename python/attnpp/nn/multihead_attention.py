@@ -219,8 +219,8 @@ class MultiheadAttention(Module):
         p = self.dropout if self.training else 0.0
         seed = checks.check_seed(seed, used=p > 0)
         self.last_seed = seed if p > 0 else None
-        params, _ = F.attention_params((B,), H, dt, scale=1.0 / math.sqrt(self.head_dim), causal=causal,
-                                       dropout_p=p, seed=seed, masks=masks)
+        params = F.attention_params((B,), H, dt, scale=1.0 / math.sqrt(self.head_dim), causal=causal,
+                                    dropout_p=p, seed=seed, masks=masks)
         out = F._empty(q.shape, q.dtype)
         lse = np.empty((B, H, L), dt)
         q4, k4, v4, o4 = (self._heads(x, bf) for x in (q, k, v, out))
