@@ -6,9 +6,11 @@
 #include "attention.hpp"
 
 #include <algorithm>
+#include <tuple>
 #include <type_traits>
+#include <utility>
 
-#include "gemm.hpp"
+#include "attention_products.hpp"
 #include "vector_exp.hpp"
 
 namespace attnpp::ATTNPP_CPU_NS {
@@ -23,10 +25,6 @@ constexpr int64_t kForwardRows = 256;
 // forward's task walks the keys in sub-blocks of this many rows, each over its own keys, all of them taken from
 // the task's keys packed once (up to kSharedPack elements of K and V: they stay in the L2 cache).
 constexpr int64_t kWindowRows = 64, kSharedPack = int64_t(1) << 17;
-// Up to this many query rows (a decoding step's), the forward multiplies the weights by the value rows in place
-// instead of packing them first: the copy would be used by too few rows to pay (decode step of the benchmark,
-// (8, 32 heads, 1, 128) over a cache of 4096: 15% faster).
-constexpr int64_t kFewRows = 16;
 
 // Keys per block: 256 halves the forward's per-block work outside the products (rescaling the accumulated rows,
 // packing) against 128 (sdpa fwd (1,12,1024,64) against PyTorch at AVX2: 0.96 -> 1.01); 128 under the causal
@@ -46,65 +44,67 @@ struct RowBlock {
   int64_t query(int64_t r) const { return i0 + r % rows; }
 };
 
-// Packs rows [r0, r0 + rows) of head (n, h) of a (rows, cols), or their transpose (cols, rows).
+// Adds acc (rows, cols), contiguous, into rows [r0, r0 + rows) of head (n, h) of a, each sum rounded once into T.
 template <typename T>
-void pack_block(PackedB<T>& b, const View4<const T>& a, int64_t n, int64_t h, int64_t r0, int64_t rows,
-                int64_t cols, bool transposed) {
-  if (transposed)
-    b.pack(a.at(n, h, r0), 1, a.row, cols, rows);
-  else
-    b.pack(a.at(n, h, r0), a.row, 1, rows, cols);
+void add_rows(const View4<T>& a, int64_t n, int64_t h, int64_t r0, const compute_t<T>* acc, int64_t rows,
+              int64_t cols) {
+  for (int64_t r = 0; r < rows; ++r) {
+    T* dst = a.at(n, h, r0 + r);
+    const compute_t<T>* src = acc + r * cols;
+    for (int64_t c = 0; c < cols; ++c) dst[c] = store<T>(load(dst[c]) + src[c]);
+  }
 }
 
 // scores (R, cols) = the scores of the rows of `b` against keys [j0, j0 + cols) of sequence `vis`:
-// scale * q_blk k_blk^T, soft-capped, plus the masks and the ALiBi bias, -inf outside each row's visible keys;
-// q_blk (R, D) with row stride ldq, kt = k_blk^T (D, >= cols) packed. With a soft cap and `dcap`, also
+// scale * q_blk k_blk^T (products P: attention_products.hpp), soft-capped, plus the masks and the ALiBi bias,
+// -inf outside each row's visible keys; q_blk (R, D), kt = k_blk^T (D, >= cols) packed. With a soft cap and `dcap`, also
 // dcap (R, cols) = 1 - tanh^2, the cap's derivative. Returns false when every score is -inf. kt_col0: the block's
 // first column in kt (a multiple of the panel width).
-template <typename T>
-bool score_block(RowMat<T>& scores, std::common_type_t<RowMat<T>>* dcap, const T* q_blk, int64_t ldq,
-                 const PackedB<T>& kt, const RowBlock& b, int64_t cols, const AttnConfig<T>& cfg, const Visible& vis,
-                 int64_t j0, int64_t kt_col0 = 0) {
+template <typename P, typename T>
+bool score_block(RowMat<compute_t<T>>& scores, RowMat<compute_t<T>>* dcap, typename P::Rows q_blk,
+                 const typename P::Packed& kt, const RowBlock& b, int64_t cols, const AttnConfig<T>& cfg,
+                 const Visible& vis, int64_t j0, int64_t kt_col0 = 0) {
+  using C = compute_t<T>;
   const int64_t R = b.count();
   scores.resize(R, cols);
-  gemm(scores.data(), cols, row_major(q_blk, ldq), kt, R, cols, cfg.D, cfg.scale, Write::assign, 0, kt_col0);
+  P::product(scores.data(), cols, q_blk, kt, R, cols, cfg.D, cfg.scale, Write::assign, 0, kt_col0);
   if (cfg.softcap > 0) {  // s = softcap * tanh(s / softcap)
     scores.array() = (scores.array() / cfg.softcap).tanh();
-    if (dcap) dcap->array() = T(1) - scores.array().square();
+    if (dcap) dcap->array() = C(1) - scores.array().square();
     scores.array() *= cfg.softcap;
   }
   bool any = false;
   for (int64_t r = 0; r < R; ++r) {
     const int64_t h = b.head(r), i = b.query(r);
-    T* row = &scores(r, 0);
+    C* row = &scores(r, 0);
     for (const auto& m : cfg.masks)
       for (int64_t c = 0; c < cols; ++c) row[c] += m.at(b.n, h, i, j0 + c);
     if (cfg.alibi) {  // -slope * |i + S - L - j|
-      const T slope = cfg.alibi[b.n * cfg.alibi_n + h];
+      const C slope = cfg.alibi[b.n * cfg.alibi_n + h];
       const int64_t pos = i + vis.diag() - j0;
-      for (int64_t c = 0; c < cols; ++c) row[c] -= slope * T(std::abs(pos - c));
+      for (int64_t c = 0; c < cols; ++c) row[c] -= slope * C(std::abs(pos - c));
     }
     // the row sees columns [lo, hi)
     const int64_t lo = std::clamp<int64_t>(vis.first_key(i) - j0, 0, cols);
     const int64_t hi = std::clamp<int64_t>(vis.last_key(i) + 1 - j0, lo, cols);
-    std::fill(row, row + lo, neg_inf<T>());
-    std::fill(row + hi, row + cols, neg_inf<T>());
+    std::fill(row, row + lo, neg_inf<C>());
+    std::fill(row + hi, row + cols, neg_inf<C>());
     if (cfg.masks.empty())
       any = any || hi > lo;
     else
-      for (int64_t c = lo; c < hi && !any; ++c) any = row[c] != neg_inf<T>();
+      for (int64_t c = lo; c < hi && !any; ++c) any = row[c] != neg_inf<C>();
   }
   return any;
 }
 
 // p_blk *= keep / (1 - p), the dropout of the weights of block rows b against keys j0..
-template <typename T>
-void apply_dropout(RowMat<T>& p_blk, const AttnConfig<T>& cfg, const RowBlock& b, int64_t j0) {
-  const T inv_keep = T(1) / T(1 - cfg.dropout_p);
+template <typename T, typename C = compute_t<T>>
+void apply_dropout(RowMat<C>& p_blk, const AttnConfig<T>& cfg, const RowBlock& b, int64_t j0) {
+  const C inv_keep = C(1) / C(1 - cfg.dropout_p);
   for (int64_t r = 0; r < p_blk.rows(); ++r) {
     const uint64_t row = ((uint64_t(b.n) * cfg.Hq + b.head(r)) * cfg.L + b.query(r)) * cfg.S + j0;
     for (int64_t c = 0; c < p_blk.cols(); ++c)
-      p_blk(r, c) = dropout_keep(cfg.seed, row + c, cfg.dropout_p) ? p_blk(r, c) * inv_keep : T(0);
+      p_blk(r, c) = dropout_keep(cfg.seed, row + c, cfg.dropout_p) ? p_blk(r, c) * inv_keep : C(0);
   }
 }
 
@@ -151,11 +151,10 @@ T log_add_exp(T a, T b) {
   return hi == neg_inf<T>() ? hi : hi + std::log1p(std::exp(lo - hi));
 }
 
-}  // namespace
-
-template <typename T>
-void sdpa_forward(const View4<T>& out, T* logsumexp, const View4<const T>& q, const View4<const T>& k,
-                  const View4<const T>& v, const AttnConfig<T>& cfg) {
+template <typename P, typename T>
+void forward(const View4<T>& out, compute_t<T>* logsumexp, const View4<const T>& q, const View4<const T>& k,
+             const View4<const T>& v, const AttnConfig<T>& cfg) {
+  using C = compute_t<T>;
   const int64_t bl = kForwardRows, bs = key_block(cfg), g = cfg.group();  // bl: rows per task, bs: keys per block
   // One task: a block of query rows of (n, key/value head); the heads of the group share blocks when L is short.
   const int64_t heads_per_block = std::clamp<int64_t>(bl / std::max<int64_t>(cfg.L, 1), 1, std::max<int64_t>(g, 1));
@@ -170,21 +169,18 @@ void sdpa_forward(const View4<T>& out, T* logsumexp, const View4<const T>& q, co
         if (i0 >= vis.L) return;
         const int64_t h0 = hk * g + hb * heads_per_block;
         const RowBlock b{n, h0, std::min(heads_per_block, (hk + 1) * g - h0), i0, std::min(bl, vis.L - i0)};
-        thread_local PackedB<T> kt, vb;                   // (D, Bc) k_blk^T, (Bc, Dv) v_blk
-        thread_local RowMat<T> s_blk, acc, q_rows;        // (Br, Bc) scores then weights; (Br, Dv) output
-        thread_local Eigen::Matrix<T, Eigen::Dynamic, 1> m, l;  // (Br) running max and running sum
+        thread_local typename P::Packed kt, vb;           // (D, Bc) k_blk^T, (Bc, Dv) v_blk
+        thread_local typename P::Buffer q_buf, w_buf;     // the block's queries, the weights as an operand
+        thread_local RowMat<C> s_blk, acc;                // (Br, Bc) scores then weights; (Br, Dv) output
+        thread_local Eigen::Matrix<C, Eigen::Dynamic, 1> m, l;  // (Br) running max and running sum
+        thread_local Eigen::Matrix<C, 1, Eigen::Dynamic> o_row;  // (Dv) an output row before it is written
         const int64_t R = b.count();
-        // the block's query rows: in place for one head, gathered for several
-        const T* q_blk = q.at(n, h0, vis.q0 + i0);
-        int64_t ldq = q.row;
-        if (b.heads > 1) {
-          q_rows.resize(R, cfg.D);
-          for (int64_t r = 0; r < R; ++r)
-            std::copy_n(q.at(n, b.head(r), vis.q0 + b.query(r)), cfg.D, q_rows.data() + r * cfg.D);
-          q_blk = q_rows.data(), ldq = cfg.D;
-        }
+        // the block's query rows: in place for one head (converted for halves), gathered for several
+        const auto q_blk = b.heads == 1 ? P::rows(q_buf, q, n, h0, vis.q0 + i0, R, cfg.D)
+                                        : P::gather(q_buf, [&](int64_t r) { return q.at(n, b.head(r), vis.q0 + b.query(r)); },
+                                                    R, cfg.D);
         acc.setZero(R, cfg.Dv);
-        m.setConstant(R, neg_inf<T>());
+        m.setConstant(R, neg_inf<C>());
         l.setZero(R);
         // rows [s0, s0 + sub_rows) walk keys [first_key(s0), last_key(s0 + sub_rows - 1)] (windowed: sub-blocks,
         // their keys in kt and vb packed once for the task when they fit: `shared`)
@@ -193,14 +189,14 @@ void sdpa_forward(const View4<T>& out, T* logsumexp, const View4<const T>& q, co
         const int64_t span0 = vis.first_key(i0), span1 = std::min(vis.S, vis.last_key(i0 + b.rows - 1) + 1);
         const bool shared = windowed && span1 > span0 && (span1 - span0) * (cfg.D + cfg.Dv) <= kSharedPack;
         if (shared) {
-          pack_block(kt, k, n, hk, vis.k0 + span0, span1 - span0, cfg.D, true);
-          pack_block(vb, v, n, hk, vis.k0 + span0, span1 - span0, cfg.Dv, false);
+          P::pack(kt, k, n, hk, vis.k0 + span0, span1 - span0, cfg.D, true);
+          P::pack(vb, v, n, hk, vis.k0 + span0, span1 - span0, cfg.Dv, false);
         }
         for (int64_t s0 = 0; s0 < b.rows; s0 += sub_rows) {
           const int64_t s1 = std::min(b.rows, s0 + sub_rows);
           int64_t j_begin = vis.first_key(i0 + s0);
           const int64_t j_end = std::min(vis.S, vis.last_key(i0 + s1 - 1) + 1);
-          if (shared) j_begin = span0 + (j_begin - span0) / kt.kPanel * kt.kPanel;  // from a panel's start
+          if (shared) j_begin = span0 + (j_begin - span0) / P::kPanel * P::kPanel;  // from a panel's start
           for (int64_t j0 = j_begin; j0 < j_end; j0 += bs) {
             const int64_t cols = std::min(bs, j_end - j0);
             // rows [r0, r0 + br) see keys of this block (a one-head block: the others are hidden from it)
@@ -213,81 +209,75 @@ void sdpa_forward(const View4<T>& out, T* logsumexp, const View4<const T>& q, co
               if (sub.rows == 0) continue;
             }
             const int64_t br = sub.count();
-            if (!shared) pack_block(kt, k, n, hk, vis.k0 + j0, cols, cfg.D, true);
-            if (!score_block(s_blk, nullptr, q_blk + r0 * ldq, ldq, kt, sub, cols, cfg, vis, j0,
-                             shared ? j0 - span0 : 0))
+            if (!shared) P::pack(kt, k, n, hk, vis.k0 + j0, cols, cfg.D, true);
+            if (!score_block<P>(s_blk, nullptr, offset(q_blk, r0), kt, sub, cols, cfg, vis, j0,
+                                shared ? j0 - span0 : 0))
               continue;
             for (int64_t r = 0; r < br; ++r) {
               // the new running max; NaN once a score is NaN, so that the row comes out NaN as in PyTorch
-              const T blk_max = s_blk.row(r).template maxCoeff<Eigen::PropagateNaN>();
-              const T m_old = m(r0 + r), m_new = std::isnan(blk_max) || blk_max > m_old ? blk_max : m_old;
-              if (m_new == neg_inf<T>()) {  // nothing visible yet in this row
+              const C blk_max = s_blk.row(r).template maxCoeff<Eigen::PropagateNaN>();
+              const C m_old = m(r0 + r), m_new = std::isnan(blk_max) || blk_max > m_old ? blk_max : m_old;
+              if (m_new == neg_inf<C>()) {  // nothing visible yet in this row
                 s_blk.row(r).setZero();
                 continue;
               }
-              const T alpha = std::exp(m_old - m_new);  // rescales what was summed under the old max
+              const C alpha = std::exp(m_old - m_new);  // rescales what was summed under the old max
               l(r0 + r) = l(r0 + r) * alpha + exp_shifted(&s_blk(r, 0), cols, m_new);
               acc.row(r0 + r) *= alpha;
               m(r0 + r) = m_new;
             }
             if (cfg.dropout_p > 0) apply_dropout(s_blk, cfg, sub, j0);
             // acc += p v_blk
-            T* acc_rows = acc.data() + r0 * cfg.Dv;
-            if (shared) {
-              gemm(acc_rows, cfg.Dv, row_major(s_blk.data(), cols), vb, br, cfg.Dv, cols, T(1), Write::accumulate,
-                   j0 - span0);
-            } else if (br <= kFewRows) {
-              gemm_unpacked(acc_rows, cfg.Dv, row_major(s_blk.data(), cols), v.at(n, hk, vis.k0 + j0), v.row, br,
-                            cfg.Dv, cols, T(1), Write::accumulate);
-            } else {
-              pack_block(vb, v, n, hk, vis.k0 + j0, cols, cfg.Dv, false);
-              gemm(acc_rows, cfg.Dv, row_major(s_blk.data(), cols), vb, br, cfg.Dv, cols, T(1), Write::accumulate);
-            }
+            C* acc_rows = acc.data() + r0 * cfg.Dv;
+            if (shared)
+              P::weights_product(acc_rows, cfg.Dv, s_blk, w_buf, vb, cfg.Dv, C(1), Write::accumulate, j0 - span0);
+            else
+              P::add_weighted_values(acc_rows, s_blk, w_buf, vb, v, n, hk, vis.k0 + j0, cfg.Dv);
           }
         }
         for (int64_t r = 0; r < R; ++r) {
           const int64_t h = b.head(r), i = b.query(r);
-          auto o_row = Eigen::Map<Eigen::Matrix<T, 1, Eigen::Dynamic>>(out.at(n, h, vis.q0 + i), cfg.Dv);
-          T& lse = logsumexp[cfg.lse_index(n, h, i)];
-          const T lse_keys = l(r) == 0 ? neg_inf<T>() : m(r) + std::log(l(r));
+          C& lse = logsumexp[cfg.lse_index(n, h, i)];
+          const C lse_keys = l(r) == 0 ? neg_inf<C>() : m(r) + std::log(l(r));
           if (cfg.sinks) {  // the sink joins the denominator: lse = log(exp(lse_keys) + exp(sink))
             lse = log_add_exp(lse_keys, cfg.sinks[h]);
             if (l(r) == 0)
-              o_row.setZero();
+              o_row.setZero(cfg.Dv);
             else
               o_row = acc.row(r) * (std::exp(lse_keys - lse) / l(r));
           } else if (l(r) == 0) {  // fully masked row: output 0, never NaN
-            o_row.setZero();
-            lse = neg_inf<T>();
+            o_row.setZero(cfg.Dv);
+            lse = neg_inf<C>();
           } else {  // (NaN in the row's scores makes l NaN: the row's output is NaN)
             o_row = acc.row(r) / l(r);
             lse = lse_keys;
           }
+          store_n(out.at(n, h, vis.q0 + i), o_row.data(), cfg.Dv);  // rounded once, for halves
         }
       },
       true);
 }
 
-template <typename T>
-void sdpa_backward(const View4<T>& dq, const View4<T>& dk, const View4<T>& dv, T* dsinks,
-                   const View4<const T>& dout, const View4<const T>& out, const T* logsumexp,
-                   const View4<const T>& q, const View4<const T>& k, const View4<const T>& v,
-                   const AttnConfig<T>& cfg) {
+template <typename P, typename T>
+void backward(const View4<T>& dq, const View4<T>& dk, const View4<T>& dv, compute_t<T>* dsinks,
+              const View4<const T>& dout, const View4<const T>& out, const compute_t<T>* logsumexp,
+              const View4<const T>& q, const View4<const T>& k, const View4<const T>& v, const AttnConfig<T>& cfg) {
+  using C = compute_t<T>;
   // delta (N, Hq, L) = rowsum(dout * out): the softmax backward's sum_j P_ij dP_ij, dropout included.
   // Summed in a fixed order (not Eigen's alignment-dependent reduction) so that results are reproducible.
   // The sinks' gradient: dsink_h = -sum_(n, i) P_(n,h,i),sink delta_(n,h,i)  <- the sink takes no value
-  std::vector<T> delta(cfg.lse_size()), dsink_nh(cfg.sinks ? cfg.N * cfg.Hq : 0);
+  std::vector<C> delta(cfg.lse_size()), dsink_nh(cfg.sinks ? cfg.N * cfg.Hq : 0);
   parallel_for(cfg.N * cfg.Hq, cfg.lse_size() * cfg.Dv, [&](int64_t nh) {
     const int64_t n = nh / cfg.Hq, h = nh % cfg.Hq;
     const Visible vis = cfg.seq(n);
-    T dsink = 0;
+    C dsink = 0;
     for (int64_t i = 0; i < vis.L; ++i) {
       const T *do_row = dout.at(n, h, vis.q0 + i), *o_row = out.at(n, h, vis.q0 + i);
-      T sum = 0;
-      for (int64_t c = 0; c < cfg.Dv; ++c) sum += do_row[c] * o_row[c];
+      C sum = 0;
+      for (int64_t c = 0; c < cfg.Dv; ++c) sum += load(do_row[c]) * load(o_row[c]);
       const int64_t idx = cfg.lse_index(n, h, i);
       delta[idx] = sum;
-      if (cfg.sinks && logsumexp[idx] != neg_inf<T>()) dsink -= std::exp(cfg.sinks[h] - logsumexp[idx]) * sum;
+      if (cfg.sinks && logsumexp[idx] != neg_inf<C>()) dsink -= std::exp(cfg.sinks[h] - logsumexp[idx]) * sum;
     }
     if (cfg.sinks) dsink_nh[nh] = dsink;
   });
@@ -295,38 +285,44 @@ void sdpa_backward(const View4<T>& dq, const View4<T>& dk, const View4<T>& dv, T
     for (int64_t nh = 0; nh < cfg.N * cfg.Hq; ++nh) dsinks[nh % cfg.Hq] += dsink_nh[nh];
   const int64_t bs = key_block(cfg);
   // One thread owns a (n, key/value head) pair: it alone writes that pair's dk, dv and, since each query
-  // head belongs to one key/value head, its query heads' dq.
+  // head belongs to one key/value head, its query heads' dq. Each is summed in the compute type (dq over the
+  // task, dk and dv over a key block) and added to the output once, rounded once for halves.
   parallel_for(
       cfg.N * cfg.Hk, cfg.work(),
       [&](int64_t task) {
-        const int64_t n = task / cfg.Hk, hk = task % cfg.Hk;
+        const int64_t n = task / cfg.Hk, hk = task % cfg.Hk, g = cfg.group();
         const Visible vis = cfg.seq(n);
-        thread_local PackedB<T> kt, vt, kp, qp, dop;       // k_blk^T, v_blk^T, k_blk; q_blk, dout_blk
-        thread_local RowMat<T> p_blk, dp_blk, pd_blk, dcap;  // (Br, Bc)
+        thread_local typename P::Packed kt, vt, kp, qp, dop;  // k_blk^T, v_blk^T, k_blk; q_blk, dout_blk
+        thread_local typename P::Buffer q_buf, do_buf, w_buf;  // the blocks' rows; the weights as an operand
+        thread_local RowMat<C> p_blk, dp_blk, pd_blk, dcap;  // (Br, Bc)
+        thread_local RowMat<C> dq_acc, dk_acc, dv_acc;     // (g * L, D) the group's dq; (Bc, D), (Bc, Dv)
+        dq_acc.setZero(g * vis.L, cfg.D);
         for (int64_t j0 = 0; j0 < vis.S; j0 += bs) {
           const int64_t width = std::min(bs, vis.S - j0);
           // the query rows [i_begin, i_end) that see keys of this block
           const int64_t i_begin = std::max<int64_t>(0, vis.first_query(j0));
           const int64_t i_end = std::min(vis.L, vis.last_query(j0 + width - 1) + 1);
           if (i_begin >= i_end) continue;
-          pack_block(kt, k, n, hk, vis.k0 + j0, width, cfg.D, true);
-          pack_block(vt, v, n, hk, vis.k0 + j0, width, cfg.Dv, true);
-          pack_block(kp, k, n, hk, vis.k0 + j0, width, cfg.D, false);
-          for (int64_t h = hk * cfg.group(); h < (hk + 1) * cfg.group(); ++h)
+          P::pack(kt, k, n, hk, vis.k0 + j0, width, cfg.D, true);
+          P::pack(vt, v, n, hk, vis.k0 + j0, width, cfg.Dv, true);
+          P::pack(kp, k, n, hk, vis.k0 + j0, width, cfg.D, false);
+          dk_acc.setZero(width, cfg.D);
+          dv_acc.setZero(width, cfg.Dv);
+          for (int64_t h = hk * g; h < (hk + 1) * g; ++h)
             for (int64_t i0 = i_begin / kBackwardRows * kBackwardRows; i0 < i_end; i0 += kBackwardRows) {
               const RowBlock b{n, h, 1, i0, std::min(kBackwardRows, vis.L - i0)};
               const int64_t rows = b.rows, cols = std::min(width, vis.last_key(i0 + rows - 1) + 1 - j0);
-              const T* q_blk = q.at(n, h, vis.q0 + i0);
-              const T* do_blk = dout.at(n, h, vis.q0 + i0);
-              const T* lse = logsumexp + cfg.lse_index(n, h, i0);
-              const T* dlt = delta.data() + cfg.lse_index(n, h, i0);
+              const auto q_blk = P::rows(q_buf, q, n, h, vis.q0 + i0, rows, cfg.D);
+              const C* lse = logsumexp + cfg.lse_index(n, h, i0);
+              const C* dlt = delta.data() + cfg.lse_index(n, h, i0);
               // s = softcap(scale * q k^T) + bias;  p = exp(s - lse)
-              if (!score_block(p_blk, &dcap, q_blk, q.row, kt, b, cols, cfg, vis, j0)) continue;
+              if (!score_block<P>(p_blk, &dcap, q_blk, kt, b, cols, cfg, vis, j0)) continue;
               probs_from_lse(p_blk, lse);
               // dp_dropped = dout v^T            <- out = p_dropped v
+              const auto do_blk = P::rows(do_buf, dout, n, h, vis.q0 + i0, rows, cfg.Dv);
               dp_blk.resize(rows, cols);
-              gemm(dp_blk.data(), cols, row_major(do_blk, dout.row), vt, rows, cols, cfg.Dv, T(1), Write::assign);
-              const RowMat<T>* p_used = &p_blk;  // the weights that multiplied v in the forward
+              P::product(dp_blk.data(), cols, do_blk, vt, rows, cols, cfg.Dv, C(1), Write::assign);
+              const RowMat<C>* p_used = &p_blk;  // the weights that multiplied v in the forward
               if (cfg.dropout_p > 0) {
                 pd_blk = p_blk;
                 apply_dropout(pd_blk, cfg, b, j0);
@@ -334,28 +330,57 @@ void sdpa_backward(const View4<T>& dq, const View4<T>& dk, const View4<T>& dv, T
                 p_used = &pd_blk;
               }
               // dv += p_used^T dout
-              pack_block(dop, dout, n, h, vis.q0 + i0, rows, cfg.Dv, false);
-              gemm(dv.at(n, hk, vis.k0 + j0), dv.row, transposed(p_used->data(), cols), dop, cols, cfg.Dv, rows,
-                   T(1), Write::accumulate);
+              P::pack(dop, do_blk, rows, cfg.Dv);
+              P::weights_t_product(dv_acc.data(), cfg.Dv, *p_used, w_buf, dop, cfg.Dv, C(1), Write::accumulate);
               // ds = p * (dp - delta)            <- p = softmax(s)
               for (int64_t r = 0; r < rows; ++r) p_blk.row(r).array() *= dp_blk.row(r).array() - dlt[r];
               // ds_raw = ds * (1 - tanh^2)       <- s = softcap * tanh(s_raw / softcap)
               if (cfg.softcap > 0) p_blk.array() *= dcap.array();
               // dq += scale * ds k;  dk += scale * ds^T q   <- s_raw = scale * q k^T
-              gemm(dq.at(n, h, vis.q0 + i0), dq.row, row_major(p_blk.data(), cols), kp, rows, cfg.D, cols,
-                   cfg.scale, Write::accumulate);
-              pack_block(qp, q, n, h, vis.q0 + i0, rows, cfg.D, false);
-              gemm(dk.at(n, hk, vis.k0 + j0), dk.row, transposed(p_blk.data(), cols), qp, cols, cfg.D, rows,
-                   cfg.scale, Write::accumulate);
+              P::weights_product(dq_acc.data() + ((h - hk * g) * vis.L + i0) * cfg.D, cfg.D, p_blk, w_buf, kp, cfg.D,
+                                 cfg.scale, Write::accumulate);
+              P::pack(qp, q_blk, rows, cfg.D);
+              P::weights_t_product(dk_acc.data(), cfg.D, p_blk, w_buf, qp, cfg.D, cfg.scale, Write::accumulate);
             }
+          add_rows(dk, n, hk, vis.k0 + j0, dk_acc.data(), width, cfg.D);
+          add_rows(dv, n, hk, vis.k0 + j0, dv_acc.data(), width, cfg.Dv);
         }
+        for (int64_t h = 0; h < g; ++h)
+          add_rows(dq, n, hk * g + h, vis.q0, dq_acc.data() + h * vis.L * cfg.D, vis.L, cfg.D);
       },
       true);
 }
 
+}  // namespace
+
 template <typename T>
-void sdpa_weights(T* weights, const T* logsumexp, const View4<const T>& q, const View4<const T>& k,
+void sdpa_forward(const View4<T>& out, compute_t<T>* logsumexp, const View4<const T>& q, const View4<const T>& k,
+                  const View4<const T>& v, const AttnConfig<T>& cfg) {
+#if defined(__AVX512BF16__)
+  if constexpr (std::is_same_v<T, bfloat16>)
+    if (PairProducts::fit({&q, &k, &v}, {cfg.D, cfg.Dv})) return forward<PairProducts>(out, logsumexp, q, k, v, cfg);
+#endif
+  forward<BlockProducts<T>>(out, logsumexp, q, k, v, cfg);
+}
+
+template <typename T>
+void sdpa_backward(const View4<T>& dq, const View4<T>& dk, const View4<T>& dv, compute_t<T>* dsinks,
+                   const View4<const T>& dout, const View4<const T>& out, const compute_t<T>* logsumexp,
+                   const View4<const T>& q, const View4<const T>& k, const View4<const T>& v,
+                   const AttnConfig<T>& cfg) {
+#if defined(__AVX512BF16__)
+  if constexpr (std::is_same_v<T, bfloat16>)
+    if (PairProducts::fit({&q, &k, &v, &dout}, {cfg.D, cfg.Dv}))
+      return backward<PairProducts>(dq, dk, dv, dsinks, dout, out, logsumexp, q, k, v, cfg);
+#endif
+  backward<BlockProducts<T>>(dq, dk, dv, dsinks, dout, out, logsumexp, q, k, v, cfg);
+}
+
+template <typename T>
+void sdpa_weights(T* weights, const compute_t<T>* logsumexp, const View4<const T>& q, const View4<const T>& k,
                   const AttnConfig<T>& cfg, bool average_heads) {
+  using C = compute_t<T>;
+  using P = BlockProducts<T>;  // (the weights are for inspection: computed in the compute type)
   const int64_t bs = key_block(cfg), q_blocks = ceil_div(cfg.L, kForwardRows), k_blocks = ceil_div(cfg.S, bs);
   const int64_t heads_out = average_heads ? 1 : cfg.Hq;
   parallel_for(
@@ -363,19 +388,18 @@ void sdpa_weights(T* weights, const T* logsumexp, const View4<const T>& q, const
       [&](int64_t task) {
         const int64_t n = task / (heads_out * q_blocks), ho = task / q_blocks % heads_out, qb = task % q_blocks;
         const Visible vis = cfg.seq(n);
-        thread_local PackedB<T> kt;     // (D, Bc) k_blk^T
-        thread_local RowMat<T> p_blk;   // (Br, Bc) weights
+        thread_local typename P::Packed kt;  // (D, Bc) k_blk^T
+        thread_local typename P::Buffer q_buf;
+        thread_local RowMat<C> p_blk, w;     // (Br, Bc) weights, their sum over heads
         const int64_t i0 = qb * kForwardRows, rows = std::min(kForwardRows, cfg.L - i0);
         // one head, or all of them summed in order (then divided by Hq, as PyTorch's mean over heads)
         const int64_t h_begin = average_heads ? 0 : ho, h_end = average_heads ? cfg.Hq : ho + 1;
         for (int64_t kb = 0; kb < k_blocks; ++kb) {
           const int64_t j0 = kb * bs, cols = std::min(bs, cfg.S - j0);
-          auto w = MapRows<T>(weights + ((n * heads_out + ho) * cfg.L + i0) * cfg.S + j0, rows, cols,
-                              Eigen::OuterStride<>(cfg.S));
           for (int64_t h = h_begin; h < h_end; ++h) {
             const RowBlock b{n, h, 1, i0, rows};
-            pack_block(kt, k, n, h / cfg.group(), j0, cols, cfg.D, true);
-            score_block(p_blk, nullptr, q.at(n, h, i0), q.row, kt, b, cols, cfg, vis, j0);
+            P::pack(kt, k, n, h / cfg.group(), j0, cols, cfg.D, true);
+            score_block<P>(p_blk, nullptr, P::rows(q_buf, q, n, h, i0, rows, cfg.D), kt, b, cols, cfg, vis, j0);
             probs_from_lse(p_blk, logsumexp + cfg.lse_index(n, h, i0));
             if (cfg.dropout_p > 0) apply_dropout(p_blk, cfg, b, j0);
             if (h == h_begin)
@@ -384,22 +408,25 @@ void sdpa_weights(T* weights, const T* logsumexp, const View4<const T>& q, const
               w += p_blk;
           }
           if (h_begin == h_end)  // the mean over no heads (Hq = 0), NaN as in PyTorch
-            w.setConstant(std::numeric_limits<T>::quiet_NaN());
+            w.setConstant(rows, cols, std::numeric_limits<C>::quiet_NaN());
           else if (average_heads)
-            w /= T(cfg.Hq);
+            w /= C(cfg.Hq);
+          for (int64_t r = 0; r < rows; ++r)
+            store_n(weights + ((n * heads_out + ho) * cfg.L + i0 + r) * cfg.S + j0, w.data() + r * cols, cols);
         }
       },
       true);
 }
 
 #define INSTANTIATE(T)                                                                                         \
-  template void sdpa_forward<T>(const View4<T>&, T*, const View4<const T>&, const View4<const T>&,            \
+  template void sdpa_forward<T>(const View4<T>&, compute_t<T>*, const View4<const T>&, const View4<const T>&, \
                                 const View4<const T>&, const AttnConfig<T>&);                                 \
-  template void sdpa_backward<T>(const View4<T>&, const View4<T>&, const View4<T>&, T*, const View4<const T>&, \
-                                 const View4<const T>&, const T*, const View4<const T>&,                      \
-                                 const View4<const T>&, const View4<const T>&, const AttnConfig<T>&);         \
-  template void sdpa_weights<T>(T*, const T*, const View4<const T>&, const View4<const T>&,                   \
+  template void sdpa_backward<T>(const View4<T>&, const View4<T>&, const View4<T>&, compute_t<T>*,            \
+                                 const View4<const T>&, const View4<const T>&, const compute_t<T>*,           \
+                                 const View4<const T>&, const View4<const T>&, const View4<const T>&,         \
+                                 const AttnConfig<T>&);                                                       \
+  template void sdpa_weights<T>(T*, const compute_t<T>*, const View4<const T>&, const View4<const T>&,        \
                                 const AttnConfig<T>&, bool);
-ATTNPP_FOR_BOTH_DTYPES(INSTANTIATE)
+ATTNPP_FOR_ALL_DTYPES(INSTANTIATE)
 
 }  // namespace attnpp::ATTNPP_CPU_NS

@@ -6,25 +6,28 @@
 namespace attnpp::ATTNPP_CPU_NS {
 
 // out = softmax(softcap(scale * q k^T) + masks + alibi, hidden keys -inf, sink) (with dropout) v.
+// T: float, double, or a half-precision type (bfloat16, float16), which is read into float, computed and
+// accumulated in float, and rounded once when written; logsumexp, the slopes, the sinks and dsinks are in
+// compute_t<T> (half.hpp).
 // out (N, Hq, L, Dv), logsumexp (N, Hq, L) contiguous, q (N, Hq, L, D), k (N, Hk, S, D), v (N, Hk, S, Dv); with
 // packed sequences (cfg.cu_q, cu_k) the arrays have batch stride 0 and rows cu[n].., logsumexp is (Hq, total L).
 // A query row whose keys are all masked gets out = 0 and logsumexp = -inf (the sink's logit with sinks).
 template <typename T>
-void sdpa_forward(const View4<T>& out, T* logsumexp, const View4<const T>& q, const View4<const T>& k,
+void sdpa_forward(const View4<T>& out, compute_t<T>* logsumexp, const View4<const T>& q, const View4<const T>& k,
                   const View4<const T>& v, const AttnConfig<T>& cfg);
 
 // Gradients of sdpa_forward, accumulated (+=) into dq (N, Hq, L, D), dk (N, Hk, S, D), dv (N, Hk, S, Dv) and,
 // with cfg.sinks and when not null, dsinks (Hq).
 template <typename T>
-void sdpa_backward(const View4<T>& dq, const View4<T>& dk, const View4<T>& dv, T* dsinks,
-                   const View4<const T>& dout, const View4<const T>& out, const T* logsumexp, const View4<const T>& q,
+void sdpa_backward(const View4<T>& dq, const View4<T>& dk, const View4<T>& dv, compute_t<T>* dsinks,
+                   const View4<const T>& dout, const View4<const T>& out, const compute_t<T>* logsumexp, const View4<const T>& q,
                    const View4<const T>& k, const View4<const T>& v, const AttnConfig<T>& cfg);
 
 // The attention weights (N, Hq, L, S), contiguous, after dropout when cfg.dropout_p > 0:
 // P = exp(scale * q k^T + masks - logsumexp), recomputed from the forward's logsumexp. With average_heads, their
 // mean over the heads instead, (N, L, S), without building the per-head weights.
 template <typename T>
-void sdpa_weights(T* weights, const T* logsumexp, const View4<const T>& q, const View4<const T>& k,
+void sdpa_weights(T* weights, const compute_t<T>* logsumexp, const View4<const T>& q, const View4<const T>& k,
                   const AttnConfig<T>& cfg, bool average_heads = false);
 
 }  // namespace attnpp::ATTNPP_CPU_NS

@@ -13,6 +13,8 @@
 
 #include <Eigen/Dense>
 
+#include "half.hpp"
+
 namespace attnpp {
 
 template <typename T>
@@ -29,14 +31,14 @@ struct View4 {
 };
 
 // An additive mask broadcast to (N, H, L, S): element (n, h, i, j) is
-// data[batch_offset[n] + h * h_stride + i * l_stride + j * s_stride]. Any stride may be 0.
+// data[batch_offset[n] + h * h_stride + i * l_stride + j * s_stride], read in the compute type. Any stride may be 0.
 template <typename T>
 struct MaskView {
   const T* data = nullptr;
   const int64_t* batch_offset = nullptr;  // (N)
   int64_t h_stride = 0, l_stride = 0, s_stride = 0;
-  T at(int64_t n, int64_t h, int64_t i, int64_t j) const {
-    return data[batch_offset[n] + h * h_stride + i * l_stride + j * s_stride];
+  compute_t<T> at(int64_t n, int64_t h, int64_t i, int64_t j) const {
+    return load(data[batch_offset[n] + h * h_stride + i * l_stride + j * s_stride]);
   }
 };
 
@@ -99,6 +101,11 @@ void parallel_for_chunks(int64_t n, F&& body) {
 #define ATTNPP_FOR_BOTH_DTYPES(INSTANTIATE) \
   INSTANTIATE(float)                        \
   INSTANTIATE(double)
+// The same for the half-precision storage types too (half.hpp), for the kernels that take them.
+#define ATTNPP_FOR_ALL_DTYPES(INSTANTIATE) \
+  ATTNPP_FOR_BOTH_DTYPES(INSTANTIATE)      \
+  INSTANTIATE(bfloat16)                    \
+  INSTANTIATE(float16)
 
 enum class Causal : int { none = 0, top_left = 1, bottom_right = 2 };
 
@@ -132,20 +139,22 @@ struct Visible {
   int64_t last_query(int64_t j) const { return left < 0 ? L - 1 : std::min(L - 1, j - diag() + left); }
 };
 
-// Everything that defines one attention problem besides its buffers.
+// Everything that defines one attention problem besides its buffers, for arrays of T (the masks too); the
+// scalars and the small arrays (slopes, sinks) in T's compute type.
 template <typename T>
 struct AttnConfig {
+  using C = compute_t<T>;
   int64_t N = 0, Hq = 0, Hk = 0, L = 0, S = 0, D = 0, Dv = 0;  // L, S: the longest sequences when they vary
-  T scale = 1;
+  C scale = 1;
   Causal causal = Causal::none;
   double dropout_p = 0.0;
   uint64_t seed = 0;
   std::vector<MaskView<T>> masks;  // summed into the scores
   int64_t window_left = -1, window_right = -1;  // sliding window (FlashAttention's window_size), -1 unbounded
-  T softcap = 0;                   // > 0: scores become softcap * tanh(scores / softcap) (Gemma 2), before masks
-  const T* alibi = nullptr;        // ALiBi slopes: score -= alibi[n * alibi_n + h] * |i + S - L - j|
+  C softcap = 0;                   // > 0: scores become softcap * tanh(scores / softcap) (Gemma 2), before masks
+  const C* alibi = nullptr;        // ALiBi slopes: score -= alibi[n * alibi_n + h] * |i + S - L - j|
   int64_t alibi_n = 0;
-  const T* sinks = nullptr;        // (Hq) a logit per head in every softmax's denominator, with no value
+  const C* sinks = nullptr;        // (Hq) a logit per head in every softmax's denominator, with no value
   // Sequences of their own lengths (else L queries and S keys each):
   const int64_t* cu_q = nullptr;   // (N + 1) packed queries: sequence n's are rows [cu_q[n], cu_q[n + 1]) of the
   const int64_t* cu_k = nullptr;   // (N + 1) arrays' one batch entry (batch stride 0); same for keys and values

@@ -19,6 +19,7 @@ bool cpu_supports(const std::string& level) {
   __builtin_cpu_init();
   if (level == "avx2") return __builtin_cpu_supports("x86-64-v3");
   if (level == "avx512") return __builtin_cpu_supports("x86-64-v4");
+  if (level == "avx512_bf16") return __builtin_cpu_supports("x86-64-v4") && __builtin_cpu_supports("avx512bf16");
 #endif
   return level == "default";
 }
@@ -30,6 +31,9 @@ std::vector<CpuLevel> make_levels() {
 #endif
 #if defined(ATTNPP_HAS_LEVEL_avx512)
   levels.push_back({"avx512", cpu_supports("avx512"), &cpu_avx512::kernels});
+#endif
+#if defined(ATTNPP_HAS_LEVEL_avx512_bf16)
+  levels.push_back({"avx512_bf16", cpu_supports("avx512_bf16"), &cpu_avx512_bf16::kernels});
 #endif
   return levels;
 }
@@ -80,6 +84,14 @@ const Kernels<float>& kernels<float>() {
 template <>
 const Kernels<double>& kernels<double>() {
   return selected->kernels->f64;
+}
+template <>
+const Kernels<bfloat16>& kernels<bfloat16>() {
+  return selected->kernels->bf16;
+}
+template <>
+const Kernels<float16>& kernels<float16>() {
+  return selected->kernels->f16;
 }
 
 namespace {

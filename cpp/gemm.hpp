@@ -18,6 +18,7 @@
 #include <cstdint>
 #include <cstring>
 #include <memory>
+#include <type_traits>
 
 #include "buffer_pool.hpp"
 #include "level.hpp"
@@ -157,8 +158,10 @@ struct PackedB {
   std::unique_ptr<T, Release> data;
   int64_t K = 0, N = 0, capacity = 0;
 
-  // Packs B (K, N), element (k, j) at B[k * brs + j * bcs] (a transposed view has brs = 1).
-  void pack(const T* B, int64_t brs, int64_t bcs, int64_t K_, int64_t N_) {
+  // Packs B (K, N), element (k, j) at B[k * brs + j * bcs] (a transposed view has brs = 1), of T or of a
+  // half-precision type whose compute type is T (converted as it is copied).
+  template <typename S>
+  void pack(const S* B, int64_t brs, int64_t bcs, int64_t K_, int64_t N_) {
     resize(K_, N_);
     for (int64_t j = 0; j < N; j += kPanel) pack_panel(B, brs, bcs, j);
   }
@@ -170,18 +173,20 @@ struct PackedB {
     }
   }
   // The panel of columns [j0, j0 + width(j0)).
-  void pack_panel(const T* B, int64_t brs, int64_t bcs, int64_t j0) {
+  template <typename S>
+  void pack_panel(const S* B, int64_t brs, int64_t bcs, int64_t j0) {
+    static_assert(std::is_same_v<compute_t<S>, T>);
     const int64_t w = width(j0);
     T* dst = data.get() + j0 * K;
-    const T* src = B + j0 * bcs;
+    const S* src = B + j0 * bcs;
     int64_t k = 0;
     if (bcs == 1 && w == kPanel) {  // rows of one panel width: copies the compiler makes vector moves of
-      for (; k < K; ++k) std::memcpy(dst + k * kPanel, src + k * brs, kPanel * sizeof(T));
-    } else if (brs == 1 && w == kPanel) {  // a transposed view (K^T, V^T): square blocks of one vector's width
-      namespace ei = Eigen::internal;      // transposed in registers by Eigen (ptranspose)
+      for (; k < K; ++k) load_n(dst + k * kPanel, src + k * brs, kPanel);
+    } else if (brs == 1 && w == kPanel && std::is_same_v<S, T>) {  // a transposed view (K^T, V^T): square blocks
+      namespace ei = Eigen::internal;  // of one vector's width transposed in registers by Eigen (ptranspose)
       using P = typename ei::packet_traits<T>::type;
       constexpr int W = ei::unpacket_traits<P>::size;
-      if constexpr (W == gemm_detail::Vec<T>::width && W > 1) {
+      if constexpr (W == gemm_detail::Vec<T>::width && W > 1 && std::is_same_v<S, T>) {
         for (; k + W <= K; k += W)
           for (int64_t j = 0; j < w; j += W) {
             ei::PacketBlock<P, W> block;
@@ -192,7 +197,7 @@ struct PackedB {
       }
     }
     for (; k < K; ++k)  // the rest, element by element
-      for (int64_t j = 0; j < w; ++j) dst[k * w + j] = src[k * brs + j * bcs];
+      for (int64_t j = 0; j < w; ++j) dst[k * w + j] = load(src[k * brs + j * bcs]);
   }
   int64_t width(int64_t j) const { return std::min(kPanel, N - j); }
   const T* panel(int64_t j, int64_t k0 = 0) const { return data.get() + j * K + k0 * width(j); }  // from row k0

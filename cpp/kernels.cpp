@@ -20,6 +20,6 @@ constexpr Kernels<T> table() {
 
 }  // namespace
 
-extern const KernelSet kernels = {table<float>(), table<double>(), &dropout_mask};
+extern const KernelSet kernels = {table<float>(), table<double>(), table<bfloat16>(), table<float16>(), &dropout_mask};
 
 }  // namespace attnpp::ATTNPP_CPU_NS

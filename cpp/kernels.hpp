@@ -16,12 +16,13 @@ namespace attnpp {
 
 template <typename T>
 struct Kernels {
-  void (*sdpa_forward)(const View4<T>& out, T* logsumexp, const View4<const T>& q, const View4<const T>& k,
+  using C = compute_t<T>;  // the log-sum-exp, the slopes and the sinks are in the compute type
+  void (*sdpa_forward)(const View4<T>& out, C* logsumexp, const View4<const T>& q, const View4<const T>& k,
                        const View4<const T>& v, const AttnConfig<T>& cfg);
-  void (*sdpa_backward)(const View4<T>& dq, const View4<T>& dk, const View4<T>& dv, T* dsinks,
-                        const View4<const T>& dout, const View4<const T>& out, const T* logsumexp, const View4<const T>& q,
+  void (*sdpa_backward)(const View4<T>& dq, const View4<T>& dk, const View4<T>& dv, C* dsinks,
+                        const View4<const T>& dout, const View4<const T>& out, const C* logsumexp, const View4<const T>& q,
                         const View4<const T>& k, const View4<const T>& v, const AttnConfig<T>& cfg);
-  void (*sdpa_weights)(T* weights, const T* logsumexp, const View4<const T>& q, const View4<const T>& k,
+  void (*sdpa_weights)(T* weights, const C* logsumexp, const View4<const T>& q, const View4<const T>& k,
                        const AttnConfig<T>& cfg, bool average_heads);
   void (*linear_forward)(T* y, const T* x, const T* w, const T* b, int64_t M, int64_t Fin, int64_t Fout);
   void (*linear_backward)(T* dx, T* dw, T* db, const T* dy, const T* x, const T* w, int64_t M, int64_t Fin,
@@ -30,10 +31,10 @@ struct Kernels {
   void (*dropout_backward)(T* dx, const T* dout, int64_t n, double p, uint64_t seed);
   void (*embedding_forward)(T* out, const int64_t* index, const T* weight, int64_t N, int64_t E);
   void (*embedding_backward)(T* dweight, const T* dout, const int64_t* index, int64_t N, int64_t E);
-  void (*cross_entropy_forward)(T* losses, T* stats, const T* input, const int64_t* target, int64_t N, int64_t C,
-                                int64_t ignore_index);
-  void (*cross_entropy_backward)(T* dinput, const T* row_weight, const T* stats, const T* input,
-                                 const int64_t* target, int64_t N, int64_t C);
+  void (*cross_entropy_forward)(C* losses, C* stats, const T* input, const int64_t* target, int64_t N,
+                                int64_t classes, int64_t ignore_index);
+  void (*cross_entropy_backward)(T* dinput, const C* row_weight, const C* stats, const T* input,
+                                 const int64_t* target, int64_t N, int64_t classes);
   void (*sgd_step)(T* param, const T* grad, T* momentum_buffer, int64_t n, double lr, double momentum,
                    double dampening, double weight_decay, bool nesterov, bool first);
   void (*adamw_step)(T* param, const T* grad, T* exp_avg, T* exp_avg_sq, int64_t n, double lr, double beta1,
@@ -46,10 +47,12 @@ struct Kernels {
                           bool interleaved);
 };
 
-// One level's kernels for both dtypes.
+// One level's kernels for every dtype.
 struct KernelSet {
   Kernels<float> f32;
   Kernels<double> f64;
+  Kernels<bfloat16> bf16;
+  Kernels<float16> f16;
   void (*dropout_mask)(bool* keep, int64_t n, double p, uint64_t seed);
 };
 
@@ -60,6 +63,9 @@ namespace cpu_avx2 { extern const KernelSet kernels; }
 #endif
 #if defined(ATTNPP_HAS_LEVEL_avx512)
 namespace cpu_avx512 { extern const KernelSet kernels; }
+#endif
+#if defined(ATTNPP_HAS_LEVEL_avx512_bf16)
+namespace cpu_avx512_bf16 { extern const KernelSet kernels; }
 #endif
 
 // The level's name ("default", "avx2", "avx512"), whether this CPU can run it, and its table.

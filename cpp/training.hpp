@@ -1,4 +1,6 @@
-// The training pieces the articles need: dropout, embedding, cross-entropy, SGD and AdamW.
+// The training pieces the articles need: dropout, embedding, cross-entropy, SGD and AdamW. Each takes float,
+// double and the half-precision types, which it computes in float and rounds once when it writes (half.hpp); the
+// cross-entropy's row statistics and row weights are in the compute type.
 // Each forward sits above its backward in its own file (dropout.cpp, embedding.cpp, cross_entropy.cpp,
 // optim.cpp).
 #pragma once
@@ -24,14 +26,14 @@ template <typename T>
 void embedding_backward(T* dweight, const T* dout, const int64_t* index, int64_t N, int64_t E);
 
 // Per-row losses (N) = logsumexp(input[i]) - input[i, target[i]] (0 where target == ignore_index) and the
-// row statistics stats (N, 2) = (max_c input[i, c], log sum_c exp(input[i, c] - max)); input (N, C).
+// row statistics stats (N, 2), both in the compute type, = (max_c input[i, c], log sum_c exp(input[i, c] - max)); input (N, C).
 template <typename T>
-void cross_entropy_forward(T* losses, T* stats, const T* input, const int64_t* target, int64_t N, int64_t C,
-                           int64_t ignore_index);
+void cross_entropy_forward(compute_t<T>* losses, compute_t<T>* stats, const T* input, const int64_t* target, int64_t N,
+                           int64_t C, int64_t ignore_index);
 // dinput (N, C) = (softmax(input) - onehot(target)) * row_weight[i] (row_weight: dloss_i, 0 for ignored rows).
 template <typename T>
-void cross_entropy_backward(T* dinput, const T* row_weight, const T* stats, const T* input, const int64_t* target,
-                            int64_t N, int64_t C);
+void cross_entropy_backward(T* dinput, const compute_t<T>* row_weight, const compute_t<T>* stats, const T* input,
+                            const int64_t* target, int64_t N, int64_t C);
 
 // SGD with momentum, dampening, weight decay and Nesterov, as torch.optim.SGD; `first` marks the first step
 // (the momentum buffer starts as the gradient).

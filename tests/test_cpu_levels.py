@@ -11,7 +11,7 @@ import pytest
 import attnpp
 
 CONFIG = attnpp.show_config(mode="dicts")
-LEVELS = ["default", "avx2", "avx512"]
+LEVELS = ["default", "avx2", "avx512", "avx512_bf16"]
 
 
 def _run(code, level):

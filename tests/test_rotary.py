@@ -319,7 +319,7 @@ BAD = [
     ("input_1d", _rope(x=X[0, 0, 0]), ValueError, ["input", "at least 2", "(8,)"]),
     ("cos_dtype", _rope(cos=COS.astype(np.float32)), TypeError, ["cos", "float32", "float64"]),
     ("sin_dtype", _rope(sin=SIN.astype(np.float32)), TypeError, ["sin", "float32", "float64"]),
-    ("input_f16", _rope(x=X.astype(np.float16)), TypeError, ["input", "float16"]),
+    ("input_f16", _rope(x=X.astype(np.float16)), TypeError, ["cos", "float16"]),
     ("cos_1d", _rope(cos=COS[0]), ValueError, ["cos", "2 dimensions", "(3,)"]),
     ("cos_sin_shapes", _rope(sin=SIN[:, :2]), ValueError, ["cos", "sin", "(10, 3)", "(10, 2)"]),
     ("rotary_dim_over_D", _rope(x=X[..., :4]), ValueError, ["rotary_dim", "6", "exceeds", "D = 4", "(2, 3, 5, 4)"]),
@@ -358,7 +358,7 @@ BAD = [
     ("tables_base_nan", lambda: AF.rotary_tables(8, 4, base=float("nan")), ValueError, ["base", "nan"]),
     ("tables_base_str", lambda: AF.rotary_tables(8, 4, base="1e4"), TypeError, ["base", "str"]),
     ("tables_dtype_int", lambda: AF.rotary_tables(8, 4, dtype=np.int64), TypeError, ["dtype", "int64"]),
-    ("tables_dtype_f16", lambda: AF.rotary_tables(8, 4, dtype=np.float16), TypeError, ["dtype", "float16"]),
+    ("tables_dtype_c64", lambda: AF.rotary_tables(8, 4, dtype=np.complex64), TypeError, ["dtype", "complex64"]),
     ("tables_dtype_junk", lambda: AF.rotary_tables(8, 4, dtype="junk"), TypeError, ["dtype", "junk"]),
 ]
 

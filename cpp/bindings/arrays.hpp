@@ -13,6 +13,7 @@
 #include <limits>
 #include <optional>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "common.hpp"
@@ -43,11 +44,26 @@ inline std::size_t array_bytes(const std::vector<py::ssize_t>& shape, std::size_
   return empty ? 0 : strided;
 }
 
+// NumPy's dtype of T: float32, float64, float16, or ml_dtypes.bfloat16 (a NumPy dtype of ml_dtypes' own,
+// looked up once; the package is a dependency of attnpp).
+template <typename T>
+py::dtype dtype_of() {
+  if constexpr (std::is_same_v<T, float16>) {
+    return py::dtype("float16");
+  } else if constexpr (std::is_same_v<T, bfloat16>) {
+    static const auto* dtype =  // (never freed: a Python object must not be released after the interpreter)
+        new py::dtype(py::dtype::from_args(py::module_::import("ml_dtypes").attr("bfloat16")));
+    return *dtype;
+  } else {
+    return py::dtype::of<T>();
+  }
+}
+
 template <typename T>
 void check_dtype(const py::array& a, const char* name) {
-  if (!a.dtype().equal(py::dtype::of<T>()))
-    throw py::type_error(std::string(name) + ": expected dtype " + std::string(py::str(py::dtype::of<T>())) +
-                         ", got " + std::string(py::str(a.dtype())));
+  if (!a.dtype().equal(dtype_of<T>()))
+    throw py::type_error(std::string(name) + ": expected dtype " + std::string(py::str(dtype_of<T>())) + ", got " +
+                         std::string(py::str(a.dtype())));
 }
 
 inline void check_aligned(const py::array& a, const char* name) {
@@ -160,17 +176,22 @@ struct Tag {
   using type = T;
 };
 
-// Calls f(Tag<float>{}) or f(Tag<double>{}) by the dtype of `a`: an entry point's body is written once, as a
-// generic lambda, for both dtypes.
+// Calls f(Tag<T>{}) for the dtype of `a`, T one of float, double, bfloat16 and float16 (half.hpp): an entry
+// point's body is written once, as a generic lambda, for every dtype.
 template <typename F>
 void dispatch(const py::array& a, const char* name, F&& f) {
-  if (a.dtype().equal(py::dtype::of<float>()))
+  const py::dtype dt = a.dtype();
+  if (dt.equal(dtype_of<float>()))
     f(Tag<float>{});
-  else if (a.dtype().equal(py::dtype::of<double>()))
+  else if (dt.equal(dtype_of<double>()))
     f(Tag<double>{});
+  else if (dt.equal(dtype_of<float16>()))
+    f(Tag<float16>{});
+  else if (dt.equal(dtype_of<bfloat16>()))
+    f(Tag<bfloat16>{});
   else
-    throw py::type_error(std::string(name) + ": expected dtype float32 or float64, got " +
-                         std::string(py::str(a.dtype())));
+    throw py::type_error(std::string(name) + ": expected dtype float32, float64, float16 or bfloat16, got " +
+                         std::string(py::str(dt)));
 }
 
 }  // namespace attnpp::bindings

@@ -33,8 +33,8 @@ struct AttentionParams {
   std::vector<AttentionMask> masks;             // summed into the scores
   int64_t window_left = -1, window_right = -1;  // keys [i + S - L - left, i + S - L + right]; -1 unbounded
   double softcap = 0.0;                         // 0: none
-  py::object alibi_slopes = py::none();         // (1 or N, Hq) of the dtype
-  py::object sinks = py::none();                // (Hq,) of the dtype
+  py::object alibi_slopes = py::none();         // (1 or N, Hq) of the compute dtype (float32 for the halves)
+  py::object sinks = py::none();                // (Hq,) of the compute dtype
   py::object cu_seqlens_q = py::none(), cu_seqlens_k = py::none();  // (N + 1,) int64: packed sequences
   py::object seqlens_k = py::none();            // (N,) int64: keys per batch entry (a KV cache)
 };
@@ -46,7 +46,7 @@ struct Problem {
   AttnConfig<T> cfg;
   std::vector<std::vector<int64_t>> offsets;
   std::vector<int64_t> cu_q, cu_k, seqlens_k;
-  std::vector<T> alibi, sinks;
+  std::vector<compute_t<T>> alibi, sinks;
   Problem(const Problem&) = delete;  // cfg points into the vectors
 
   // From query (N, Hq, L, D) and key (N, Hk, S, D) (N = 1 for packed sequences: L and S are then the total
@@ -60,8 +60,8 @@ struct Problem {
                             std::to_string(cfg.Hk) + ")");
     if (p.causal != Causal::none && p.causal != Causal::top_left && p.causal != Causal::bottom_right)
       throw py::value_error("causal: not a Causal value");
-    cfg.scale = T(p.scale), cfg.causal = p.causal, cfg.dropout_p = p.dropout_p, cfg.seed = p.seed;
-    cfg.window_left = p.window_left, cfg.window_right = p.window_right, cfg.softcap = T(p.softcap);
+    cfg.scale = compute_t<T>(p.scale), cfg.causal = p.causal, cfg.dropout_p = p.dropout_p, cfg.seed = p.seed;
+    cfg.window_left = p.window_left, cfg.window_right = p.window_right, cfg.softcap = compute_t<T>(p.softcap);
     for (const auto& m : p.masks) add_mask(m);
     if (!p.alibi_slopes.is_none()) {
       const auto a = *optional_array(p.alibi_slopes, "alibi_slopes");
@@ -139,13 +139,14 @@ struct Problem {
                                     m.s_stride});
   }
 
-  // A small array of T copied, of `count` elements (any shape), else TypeError/ValueError.
-  static std::vector<T> copy_of(const py::array& a, const char* name, int64_t count) {
-    const T* p = contiguous_ptr<T>(a, name, false);
+  // A small array of T's compute type (float32 for the halves) copied, of `count` elements (any shape), else
+  // TypeError/ValueError.
+  static std::vector<compute_t<T>> copy_of(const py::array& a, const char* name, int64_t count) {
+    const compute_t<T>* p = contiguous_ptr<compute_t<T>>(a, name, false);
     if (a.size() != count)
       throw py::value_error(std::string(name) + ": expected " + std::to_string(count) + " values, got shape " +
                             shape_str(a));
-    return std::vector<T>(p, p + count);
+    return std::vector<compute_t<T>>(p, p + count);
   }
 
   // Cumulative lengths (N + 1), from 0, non-decreasing, to `total`: the longest sequence, else ValueError.

@@ -36,7 +36,7 @@ void sdpa_forward(const py::array& out, const py::array& logsumexp, const py::ar
     expect_shape(out, "out", {N, Hq, L, Dv});
     expect_shape(logsumexp, "logsumexp", {N, Hq, L});
     const auto o = view4<T, T>(out, "out", true);
-    T* lse = contiguous_ptr<T>(logsumexp, "logsumexp", true);
+    auto* lse = contiguous_ptr<compute_t<T>>(logsumexp, "logsumexp", true);
     py::gil_scoped_release release;
     kernels<T>().sdpa_forward(p.rows_of(o, true), lse, p.rows_of(q, true), p.rows_of(k, false),
                               p.rows_of(v, false), p.cfg);
@@ -62,10 +62,10 @@ void sdpa_backward(const py::array& grad_query, const py::array& grad_key, const
     expect_shape(grad_key, "grad_key", {N, Hk, S, D});
     expect_shape(grad_value, "grad_value", {N, Hk, S, Dv});
     const auto o = view4<T, const T>(out, "out", false), dout = view4<T, const T>(grad_output, "grad_output", false);
-    const T* lse = contiguous_ptr<T>(logsumexp, "logsumexp", false);
+    const auto* lse = contiguous_ptr<compute_t<T>>(logsumexp, "logsumexp", false);
     const auto dq = view4<T, T>(grad_query, "grad_query", true), dk = view4<T, T>(grad_key, "grad_key", true);
     const auto dv = view4<T, T>(grad_value, "grad_value", true);
-    T* dsinks = optional_ptr<T>(grad_sinks, "grad_sinks", {Hq}, true);
+    auto* dsinks = optional_ptr<compute_t<T>>(grad_sinks, "grad_sinks", {Hq}, true);
     py::gil_scoped_release release;
     kernels<T>().sdpa_backward(p.rows_of(dq, true), p.rows_of(dk, false), p.rows_of(dv, false), dsinks,
                                p.rows_of(dout, true), p.rows_of(o, true), lse, p.rows_of(q, true),
@@ -86,7 +86,7 @@ void sdpa_weights(const py::array& weights, const py::array& logsumexp, const py
       expect_shape(weights, "weights", {cfg.N, cfg.L, cfg.S});
     else
       expect_shape(weights, "weights", {cfg.N, cfg.Hq, cfg.L, cfg.S});
-    const T* lse = contiguous_ptr<T>(logsumexp, "logsumexp", false);
+    const auto* lse = contiguous_ptr<compute_t<T>>(logsumexp, "logsumexp", false);
     T* w = contiguous_ptr<T>(weights, "weights", true);
     py::gil_scoped_release release;
     kernels<T>().sdpa_weights(w, lse, q, k, cfg, average_heads);
@@ -247,7 +247,8 @@ void cross_entropy_forward(const py::array& losses, const py::array& stats, cons
     expect_shape(losses, "losses", {N});
     expect_shape(stats, "stats", {N, 2});
     expect_shape(target, "target", {N});
-    T *l = contiguous_ptr<T>(losses, "losses", true), *s = contiguous_ptr<T>(stats, "stats", true);
+    auto* l = contiguous_ptr<compute_t<T>>(losses, "losses", true);
+    auto* s = contiguous_ptr<compute_t<T>>(stats, "stats", true);
     const T* x = contiguous_ptr<T>(input, "input", false);
     const auto tg = indices(target, "target", C, &ignore_index);
     py::gil_scoped_release release;
@@ -266,14 +267,15 @@ void cross_entropy_backward(const py::array& grad_input, const py::array& row_we
     expect_shape(stats, "stats", {N, 2});
     expect_shape(target, "target", {N});
     T* d = contiguous_ptr<T>(grad_input, "grad_input", true);
-    const T* s = contiguous_ptr<T>(stats, "stats", false);
+    using F = compute_t<T>;
+    const F* s = contiguous_ptr<F>(stats, "stats", false);
     const T* x = contiguous_ptr<T>(input, "input", false);
     // copies (see int64_copy): the targets of rows of nonzero weight are written to, the others not read
-    const T* wp = contiguous_ptr<T>(row_weight, "row_weight", false);
-    const std::vector<T> w(wp, wp + N);
+    const F* wp = contiguous_ptr<F>(row_weight, "row_weight", false);
+    const std::vector<F> w(wp, wp + N);
     const auto tg = int64_copy(target, "target");
     for (int64_t i = 0; i < N; ++i)
-      if (w[i] != T(0) && (tg[i] < 0 || tg[i] >= C))
+      if (w[i] != F(0) && (tg[i] < 0 || tg[i] >= C))
         throw py::index_error("target: value " + std::to_string(tg[i]) + " out of range [0, " + std::to_string(C) +
                               ") on a row of nonzero weight");
     py::gil_scoped_release release;
@@ -318,7 +320,8 @@ void adamw_step(const py::array& param, const py::array& grad, const py::array& 
 // ---------------------------------------------------------------------------------------- memory, threads, build
 py::array empty(const std::vector<py::ssize_t>& shape, const py::dtype& dtype) {
   const char kind = dtype.kind();  // numbers only: objects (and records holding them) need initialized memory
-  if (std::string("biufc").find(kind) == std::string::npos || dtype.has_fields())
+  if ((std::string("biufc").find(kind) == std::string::npos || dtype.has_fields()) &&
+      !dtype.equal(dtype_of<bfloat16>()))
     throw py::type_error("empty: expected a numeric dtype, got " + std::string(py::str(dtype)));
   void* data = pool_acquire(array_bytes(shape, dtype.itemsize(), "empty"));
   py::capsule owner(data, [](void* p) { pool_release(p); });

@@ -10,11 +10,15 @@ them through its kind's refused values.
 import math
 import numbers
 
+import ml_dtypes
 import numpy as np
 
 from ._seeds import next_seed
 
-FLOATS = (np.dtype(np.float32), np.dtype(np.float64))
+BFLOAT16 = np.dtype(ml_dtypes.bfloat16)  # JAX's bfloat16, a NumPy dtype of the ml_dtypes package
+HALVES = (np.dtype(np.float16), BFLOAT16)
+FLOATS = (np.dtype(np.float32), np.dtype(np.float64)) + HALVES
+FLOAT_NAMES = "float32, float64, float16 or bfloat16"
 MAX_ELEMENTS = np.iinfo(np.intp).max // 8  # more elements than any array can hold
 
 
@@ -40,15 +44,15 @@ def as_ndarray(x, name, written=False):
 
 
 def check_array(x, name, ndim=None, min_ndim=None, dtype=None, written=False):
-    """``x`` as an ndarray (see ``as_ndarray``) of float32 or float64 (and of ``dtype`` when given), else
-    TypeError/ValueError.
+    """``x`` as an ndarray (see ``as_ndarray``) of float32, float64, float16 or bfloat16 (and of ``dtype`` when
+    given), else TypeError/ValueError.
 
     ``ndim`` is an int or a tuple of allowed ints. Called on every layer call, so kept to plain comparisons.
     """
     if type(x) is not np.ndarray:
         x = as_ndarray(x, name, written)
     if x.dtype not in FLOATS:
-        raise TypeError(f"{name}: expected dtype float32 or float64, got {x.dtype}")
+        raise TypeError(f"{name}: expected dtype {FLOAT_NAMES}, got {x.dtype}")
     if dtype is not None and x.dtype != dtype:
         raise TypeError(f"{name}: expected dtype {np.dtype(dtype)} (like the other inputs), got {x.dtype}")
     if ndim is not None and x.ndim != ndim and (type(ndim) is not tuple or x.ndim not in ndim):
@@ -56,6 +60,12 @@ def check_array(x, name, ndim=None, min_ndim=None, dtype=None, written=False):
     if min_ndim is not None and x.ndim < min_ndim:
         raise ValueError(f"{name}: expected at least {min_ndim} dimensions, got shape {x.shape}")
     return x
+
+
+def compute_dtype(dtype):
+    """The dtype the core computes and accumulates in for arrays of ``dtype``, and that of the log-sum-exp it
+    returns: float32 for float16 and bfloat16 (as PyTorch's CPU kernels), else ``dtype`` itself."""
+    return np.dtype(np.float32) if dtype in HALVES else dtype
 
 
 def broadcast_shape(name, *shapes):
@@ -98,7 +108,8 @@ def check_index(index, name, size, allowed=None):
 
 
 def check_alibi_slopes(slopes, batch, Hq, dtype):
-    """ALiBi slopes broadcast to (B..., Hq), as the core's (N or 1, Hq) array of ``dtype``."""
+    """ALiBi slopes broadcast to (B..., Hq), as the core's (N or 1, Hq) array of ``dtype``'s compute dtype."""
+    dtype = compute_dtype(dtype)
     slopes = as_ndarray(slopes, "alibi_slopes")
     if slopes.dtype.kind != "f":
         raise TypeError(f"alibi_slopes: expected a float array, got dtype {slopes.dtype}")
@@ -111,11 +122,12 @@ def check_alibi_slopes(slopes, batch, Hq, dtype):
 
 
 def check_sinks(sinks, Hq, dtype):
-    """The sinks as a (Hq,) array of ``dtype``, else TypeError/ValueError."""
+    """The sinks, a (Hq,) array of ``dtype``, as the core's array of its compute dtype, else
+    TypeError/ValueError."""
     sinks = check_array(sinks, "sinks", ndim=1, dtype=dtype)
     if sinks.shape != (Hq,):
         raise ValueError(f"sinks: expected shape (Hq,) = ({Hq},), got {sinks.shape}")
-    return np.ascontiguousarray(sinks)
+    return np.ascontiguousarray(sinks, dtype=compute_dtype(dtype))
 
 
 def check_loss_grad(grad_output, dtype, shape):
@@ -186,16 +198,16 @@ def check_hyper(value, name):
 
 
 def check_dtype(dtype):
-    """A layer's ``dtype`` (None means float32; NumPy's or torch's float32/float64) as a NumPy dtype, else
-    TypeError."""
+    """A layer's ``dtype`` (None means float32; NumPy's, ml_dtypes' or torch's float32, float64, float16 or
+    bfloat16, or one of those names) as a NumPy dtype, else TypeError."""
     try:
         dt = np.dtype(np.float32 if dtype is None else getattr(dtype, "numpy_dtype", dtype))
     except TypeError:
         dt = None
-    if dt is None and dtype is not None and str(dtype) in ("torch.float32", "torch.float64"):
-        dt = np.dtype(str(dtype)[6:])
-    if dt not in FLOATS:
-        raise TypeError(f"dtype: expected float32 or float64, got {dtype}")
+    if dt is None and dtype is not None and str(dtype).startswith("torch."):
+        dt = {d.name: d for d in FLOATS}.get(str(dtype)[6:])
+    if dt is None or dt not in FLOATS:  # (None == np.dtype("float64") is True in NumPy)
+        raise TypeError(f"dtype: expected {FLOAT_NAMES}, got {dtype}")
     return dt
 
 
@@ -304,8 +316,9 @@ REDUCTION = Kind("'mean', 'sum' or 'none'", [("avg", ValueError), (None, ValueEr
 CAUSAL_ALIGNMENT = Kind("'top_left' or 'bottom_right'", [("top", ValueError), (None, ValueError), (1, ValueError)])
 IGNORE_INDEX = Kind("int in int64's range", [(1.5, TypeError), ("x", TypeError), (True, TypeError),
                                               (2 ** 63, ValueError)])
-DTYPE = Kind("float32 or float64", [(np.int32, TypeError), (int, TypeError), (bool, TypeError), (object, TypeError),
-                                    ("float16", TypeError), (np.float16, TypeError), (np.complex128, TypeError)])
+DTYPE = Kind(FLOAT_NAMES, [(np.int32, TypeError), (int, TypeError), (bool, TypeError), (object, TypeError),
+                           ("int8", TypeError), ("junk", TypeError), (np.longdouble, TypeError),
+                           (np.complex128, TypeError)])
 
 _SDPA = dict(dropout_p=PROBABILITY, is_causal=FLAG, scale=SCALE, seed=SEED, causal_alignment=CAUSAL_ALIGNMENT,
              window=WINDOW, softcap=SOFTCAP)

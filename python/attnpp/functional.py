@@ -10,10 +10,10 @@ from typing import NamedTuple, Optional
 import numpy as np
 
 from . import _core
-from ._checks import (FLOATS, MAX_ELEMENTS, as_ndarray, broadcast_shape, check_alibi_slopes, check_array, check_bool,
+from ._checks import (FLOAT_NAMES, FLOATS, MAX_ELEMENTS, as_ndarray, broadcast_shape, check_alibi_slopes, check_array, check_bool,
                       check_choice, check_cumulative, check_dtype, check_ignore_index, check_index, check_int,
                       check_loss_grad, check_probability, check_reduction, check_scale, check_seed, check_sinks,
-                      check_softcap, check_window)
+                      check_softcap, check_window, compute_dtype)
 
 __all__ = [
     "dropout", "dropout_backward", "embedding", "embedding_backward",
@@ -249,17 +249,18 @@ class _Problem:
     def reduce_to(self, grad4, x, repeat=1):
         """A gradient (N, H, rows, cols) of a broadcast input (its heads repeated ``repeat`` times), summed back
         to the shape of ``x``."""
+        acc = compute_dtype(grad4.dtype)  # (half-precision gradients summed in float32, rounded once)
         if repeat > 1:
             N, H, rows, cols = grad4.shape
-            grad4 = grad4.reshape(N, H // repeat, repeat, rows, cols).sum(axis=2)
+            grad4 = grad4.reshape(N, H // repeat, repeat, rows, cols).sum(axis=2, dtype=acc)
         g = grad4.reshape(tuple(self.batch) + grad4.shape[1:])
         extra = g.ndim - x.ndim
         if extra > 0:
-            g = g.sum(axis=tuple(range(extra)))
+            g = g.sum(axis=tuple(range(extra)), dtype=acc)
         axes = tuple(i for i, (gs, xs) in enumerate(zip(g.shape, x.shape)) if xs == 1 and gs != 1)
         if axes:
-            g = g.sum(axis=axes, keepdims=True)
-        return np.ascontiguousarray(g.reshape(x.shape))
+            g = g.sum(axis=axes, keepdims=True, dtype=acc)
+        return np.ascontiguousarray(g.reshape(x.shape), dtype=x.dtype)
 
 
 class AttentionForward(NamedTuple):
@@ -306,7 +307,7 @@ def scaled_dot_product_attention_forward(query, key, value, attn_mask=None, drop
     p = _Problem(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, seed, causal_alignment,
                  window=window, alibi_slopes=alibi_slopes, softcap=softcap, sinks=sinks)
     out = _empty((p.N, p.Hq, p.L, p.Dv), p.dtype)
-    lse = np.empty((p.N, p.Hq, p.L), p.dtype)
+    lse = np.empty((p.N, p.Hq, p.L), compute_dtype(p.dtype))
     _core.sdpa_forward(out, lse, p.q4, p.k4, p.v4, p.params)
     return AttentionForward(out.reshape(p.out_shape(p.L, p.Dv)), lse.reshape(p.out_shape(p.L)),
                             p.seed if p.params.dropout_p > 0 else None)
@@ -441,7 +442,7 @@ def scaled_dot_product_attention_backward(grad_output, query, key, value, output
     for name, arr, shape in (("grad_output", grad_output, p.out_shape(p.L, p.Dv)),
                              ("output", output, p.out_shape(p.L, p.Dv)),
                              ("logsumexp", logsumexp, p.out_shape(p.L))):
-        arrays.append(check_array(arr, name, dtype=p.dtype))
+        arrays.append(check_array(arr, name, dtype=compute_dtype(p.dtype) if name == "logsumexp" else p.dtype))
         if arrays[-1].shape != shape:
             raise ValueError(f"{name}: expected shape {shape}, got {arrays[-1].shape}")
     grad_output, output, logsumexp = arrays
@@ -449,12 +450,12 @@ def scaled_dot_product_attention_backward(grad_output, query, key, value, output
     dq = _zeros((p.N, p.Hq, p.L, p.D), p.dtype)
     dk = _zeros((p.N, p.Hk, p.S, p.D), p.dtype)
     dv = _zeros((p.N, p.Hk, p.S, p.Dv), p.dtype)
-    dsinks = None if p.params.sinks is None else np.zeros(p.Hq, p.dtype)
+    dsinks = None if p.params.sinks is None else np.zeros(p.Hq, compute_dtype(p.dtype))
     _core.sdpa_backward(dq, dk, dv, four(grad_output, (p.L, p.Dv)), four(output, (p.L, p.Dv)),
                         four(logsumexp, (p.L,)), p.q4, p.k4, p.v4, p.params,
                         grad_sinks=dsinks)
     grads = p.reduce_to(dq, query), p.reduce_to(dk, key, p.k_repeat), p.reduce_to(dv, value, p.v_repeat)
-    return grads if dsinks is None else grads + (dsinks,)
+    return grads if dsinks is None else grads + (dsinks.astype(p.dtype),)
 
 
 def scaled_dot_product_attention_weights(query, key, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
@@ -490,10 +491,10 @@ def scaled_dot_product_attention_weights(query, key, attn_mask=None, dropout_p=0
                  has_value=False, window=window, alibi_slopes=alibi_slopes, softcap=softcap, sinks=sinks)
     weights = _empty((p.N, p.Hq, p.L, p.S), p.dtype)  # first: a MemoryError before any work
     if logsumexp is None:  # a forward with Dv = 0 computes the log-sum-exp alone
-        lse = np.empty((p.N, p.Hq, p.L), p.dtype)
+        lse = np.empty((p.N, p.Hq, p.L), compute_dtype(p.dtype))
         _core.sdpa_forward(np.empty((p.N, p.Hq, p.L, 0), p.dtype), lse, p.q4, p.k4, p.v4, p.params)
     else:
-        logsumexp = check_array(logsumexp, "logsumexp", dtype=p.dtype)
+        logsumexp = check_array(logsumexp, "logsumexp", dtype=compute_dtype(p.dtype))
         if logsumexp.shape != p.out_shape(p.L):
             raise ValueError(f"logsumexp: expected shape {p.out_shape(p.L)}, got {logsumexp.shape}")
         lse = np.ascontiguousarray(logsumexp).reshape(p.N, p.Hq, p.L)
@@ -577,7 +578,7 @@ def scaled_dot_product_attention_varlen_forward(query, key, value, cu_seqlens_q,
     p = _Varlen(query, key, value, cu_seqlens_q, cu_seqlens_k, dropout_p, is_causal, scale, seed, causal_alignment,
                 window, alibi_slopes, softcap, sinks)
     out = _empty((p.Tq, p.Hq, p.Dv), p.dtype)
-    lse = np.empty((p.Hq, p.Tq), p.dtype)
+    lse = np.empty((p.Hq, p.Tq), compute_dtype(p.dtype))
     _core.sdpa_forward(p.heads(out), lse[None], p.q4, p.k4, p.v4, p.params)
     return AttentionForward(out, lse, p.seed if p.params.dropout_p > 0 else None)
 
@@ -614,16 +615,16 @@ def scaled_dot_product_attention_varlen_backward(grad_output, query, key, value,
     arrays = []
     for name, arr, shape in (("grad_output", grad_output, (p.Tq, p.Hq, p.Dv)), ("output", output, (p.Tq, p.Hq, p.Dv)),
                              ("logsumexp", logsumexp, (p.Hq, p.Tq))):
-        arrays.append(check_array(arr, name, dtype=p.dtype))
+        arrays.append(check_array(arr, name, dtype=compute_dtype(p.dtype) if name == "logsumexp" else p.dtype))
         if arrays[-1].shape != shape:
             raise ValueError(f"{name}: expected shape {shape}, got {arrays[-1].shape}")
     grad_output, output, logsumexp = arrays
     dq, dk, dv = (_zeros(shape, p.dtype) for shape in ((p.Tq, p.Hq, p.D), (p.Tk, p.Hk, p.D), (p.Tk, p.Hk, p.Dv)))
-    dsinks = None if p.params.sinks is None else np.zeros(p.Hq, p.dtype)
+    dsinks = None if p.params.sinks is None else np.zeros(p.Hq, compute_dtype(p.dtype))
     _core.sdpa_backward(p.heads(dq), p.heads(dk), p.heads(dv), p.heads(grad_output), p.heads(output),
                         np.ascontiguousarray(logsumexp)[None], p.q4, p.k4, p.v4, p.params,
                         grad_sinks=dsinks)
-    return (dq, dk, dv) if dsinks is None else (dq, dk, dv, dsinks)
+    return (dq, dk, dv) if dsinks is None else (dq, dk, dv, dsinks.astype(p.dtype))
 
 
 def scaled_dot_product_attention_with_kvcache(query, key_cache, value_cache, cache_seqlens, key=None, value=None,
@@ -703,7 +704,7 @@ def scaled_dot_product_attention_with_kvcache(query, key_cache, value_cache, cac
             key_cache[b, :, s:s + new] = key[b]
             value_cache[b, :, s:s + new] = value[b]
     out = _empty((B, Hq, L, Dv), dt)
-    lse = np.empty((B, Hq, L), dt)
+    lse = np.empty((B, Hq, L), compute_dtype(dt))
     q4 = last_dim_contiguous(query)
     _core.sdpa_forward(out, lse, q4, key_cache, value_cache, params)
     return out
@@ -935,20 +936,21 @@ def cross_entropy_forward(input, target, ignore_index=-100, reduction="mean"):
 
     Returns:
         (loss, stats): the loss as ``cross_entropy`` gives it, and stats (N, 2), each row's maximum logit and
-        log-sum-exp of (logits - maximum), so that logsumexp = stats[:, 0] + stats[:, 1]. Pass stats to
-        ``cross_entropy_backward``.
+        log-sum-exp of (logits - maximum), so that logsumexp = stats[:, 0] + stats[:, 1] (float32 for
+        half-precision logits). Pass stats to ``cross_entropy_backward``.
     """
     logits, tgt = _cross_entropy_args(input, target, ignore_index, reduction)
-    losses = np.empty(tgt.shape, logits.dtype)
-    stats = np.empty(tgt.shape + (2,), logits.dtype)
+    acc = compute_dtype(logits.dtype)  # (half-precision logits: losses, statistics and reduction in float32)
+    losses = np.empty(tgt.shape, acc)
+    stats = np.empty(tgt.shape + (2,), acc)
     _core.cross_entropy_forward(losses, stats, logits, tgt, int(ignore_index))
     if reduction == "none":
         loss = losses if input.ndim == 2 else losses.reshape(())
     elif reduction == "sum":
-        loss = losses.sum(dtype=logits.dtype)
+        loss = losses.sum(dtype=acc)
     else:
         with np.errstate(invalid="ignore", divide="ignore"):
-            loss = losses.sum(dtype=logits.dtype) / logits.dtype.type((tgt != ignore_index).sum())
+            loss = losses.sum(dtype=acc) / acc.type((tgt != ignore_index).sum())
     return np.asarray(loss, dtype=logits.dtype), stats
 
 
@@ -993,18 +995,18 @@ def cross_entropy_backward(grad_output, input, target, stats, ignore_index=-100,
     logits, tgt = _cross_entropy_args(input, target, ignore_index, reduction)
     check_loss_grad(grad_output, logits.dtype, (tgt.shape if input.ndim == 2 else ()) if reduction == "none"
                     else ())
-    stats = check_array(stats, "stats", dtype=logits.dtype)
+    stats = check_array(stats, "stats", dtype=compute_dtype(logits.dtype))
     if stats.shape != tgt.shape + (2,):
         raise ValueError(f"stats: expected shape {tgt.shape + (2,)} (N, 2), got {stats.shape}")
     kept = tgt != ignore_index
-    g = np.asarray(grad_output, dtype=logits.dtype)
+    g = np.asarray(grad_output, dtype=compute_dtype(logits.dtype))
     if reduction == "none":
         g = g.reshape(tgt.shape)
     elif reduction == "mean":
         g = g / max(kept.sum(), 1)
     row_weight = np.where(kept, g, 0)  # exactly 0 on ignored rows, even for a NaN grad_output
     grad = _empty(logits.shape, logits.dtype)
-    _core.cross_entropy_backward(grad, np.ascontiguousarray(row_weight, dtype=logits.dtype),
+    _core.cross_entropy_backward(grad, np.ascontiguousarray(row_weight, dtype=compute_dtype(logits.dtype)),
                                  np.ascontiguousarray(stats), logits, tgt)
     return grad.reshape(input.shape)
 
@@ -1040,12 +1042,7 @@ def rotary_tables(max_positions, rotary_dim, base=10000.0, dtype=np.float32):
         raise TypeError(f"base: expected a float, got {type(base).__name__}")
     if not (math.isfinite(base) and base > 0):
         raise ValueError(f"base must be finite and > 0, got {base!r}")
-    try:
-        dtype = np.dtype(dtype)
-    except TypeError:
-        raise TypeError(f"dtype: expected float32 or float64, got {dtype!r}") from None
-    if dtype not in FLOATS:
-        raise TypeError(f"dtype: expected float32 or float64, got {dtype}")
+    dtype = check_dtype(dtype)
     inv_freq = float(base) ** (-np.arange(0, rotary_dim, 2, dtype=np.float64) / rotary_dim)  # (R/2,)
     angle = np.arange(max_positions, dtype=np.float64)[:, None] * inv_freq                     # (P, R/2)
     return np.cos(angle).astype(dtype), np.sin(angle).astype(dtype)

@@ -1,0 +1,175 @@
+// The products of the attention's blocks, two ways (attention.cpp's forward and backward are written once over
+// either):
+// - BlockProducts<T>: in T's compute type (float for the halves, read into float as they are packed), on gemm.hpp's
+//   micro-kernel;
+// - PairProducts (the avx512_bf16 level, bfloat16 arrays): on bfloat16 pairs with vdpbf16ps (gemm_bf16.hpp), the
+//   queries, keys, values and output gradients read as they lie, the weights P and their gradient dS rounded to
+//   bfloat16 for their products (as PyTorch's CPU flash attention does in bfloat16). Twice the multiply-adds per
+//   instruction of float's FMA.
+// Each has: Rows, an A operand of rows of an input (a query block, an output-gradient block); Packed, a packed B
+// operand; Buffer, a thread's scratch for either; and the products the attention needs.
+
+// Rows r0.. of an A operand.
+template <typename Rows>
+Rows offset(Rows a, int64_t r0) {
+  return {a.data + r0 * a.ld, a.ld};
+}
+#pragma once
+
+#include <tuple>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+#include "gemm.hpp"
+#include "gemm_bf16.hpp"
+
+namespace attnpp::ATTNPP_CPU_NS {
+
+template <typename T>
+struct BlockProducts {
+  using C = compute_t<T>;
+  using Packed = PackedB<C>;
+  using Buffer = RowMat<C>;
+  struct Rows {
+    const C* data;
+    int64_t ld;  // row stride
+  };
+  static constexpr int64_t kPanel = Packed::kPanel;  // packed columns start at multiples of this
+
+  // Rows [r0, r0 + rows) of head (n, h) of a (each of `cols` elements): the array's own rows for float and
+  // double, a converted copy in buf for the half-precision types.
+  static Rows rows(Buffer& buf, const View4<const T>& a, int64_t n, int64_t h, int64_t r0, int64_t rows,
+                   int64_t cols) {
+    if constexpr (is_half<T>) {
+      buf.resize(rows, cols);
+      for (int64_t r = 0; r < rows; ++r) load_n(buf.data() + r * cols, a.at(n, h, r0 + r), cols);
+      return {buf.data(), cols};
+    } else {
+      return {a.at(n, h, r0), a.row};
+    }
+  }
+  // The rows at the pointers row(0), ..., row(count - 1) gathered into buf.
+  template <typename RowAt>
+  static Rows gather(Buffer& buf, RowAt&& row, int64_t count, int64_t cols) {
+    buf.resize(count, cols);
+    for (int64_t r = 0; r < count; ++r) load_n(buf.data() + r * cols, row(r), cols);
+    return {buf.data(), cols};
+  }
+  // Packs rows [r0, r0 + rows) of head (n, h) of a (rows, cols), or their transpose (cols, rows) (half-precision
+  // rows converted first, then transposed in registers like float's).
+  static void pack(Packed& b, const View4<const T>& a, int64_t n, int64_t h, int64_t r0, int64_t rows, int64_t cols,
+                   bool transposed) {
+    if (!transposed) {
+      b.pack(a.at(n, h, r0), a.row, 1, rows, cols);
+    } else {
+      thread_local Buffer converted;
+      const Rows x = BlockProducts::rows(converted, a, n, h, r0, rows, cols);
+      b.pack(x.data, 1, x.ld, cols, rows);
+    }
+  }
+  // Packs the (rows, cols) operand a.
+  static void pack(Packed& b, Rows a, int64_t rows, int64_t cols) { b.pack(a.data, a.ld, 1, rows, cols); }
+
+  // c (M, N) (+)= alpha a (M, K) b, b being rows [k0, k0 + K) and columns [j0, j0 + N) of a packed matrix.
+  static void product(C* c, int64_t ldc, Rows a, const Packed& b, int64_t M, int64_t N, int64_t K, C alpha,
+                      Write write, int64_t k0 = 0, int64_t j0 = 0) {
+    gemm(c, ldc, row_major(a.data, a.ld), b, M, N, K, alpha, write, k0, j0);
+  }
+  // c (M, N) (+)= alpha w b and c (+)= alpha w^T b, w weights (M, K) (resp. (K, M)), contiguous.
+  static void weights_product(C* c, int64_t ldc, const RowMat<C>& w, Buffer&, const Packed& b, int64_t N, C alpha,
+                              Write write, int64_t k0 = 0) {
+    gemm(c, ldc, row_major(w.data(), w.cols()), b, w.rows(), N, w.cols(), alpha, write, k0);
+  }
+  static void weights_t_product(C* c, int64_t ldc, const RowMat<C>& w, Buffer&, const Packed& b, int64_t N, C alpha,
+                                Write write) {
+    gemm(c, ldc, transposed(w.data(), w.cols()), b, w.cols(), N, w.rows(), alpha, write);
+  }
+  // acc (rows of w, Dv) += w v_blk, v_blk rows [r0, r0 + w.cols()) of head (n, hk) of v: read in place for a few
+  // rows of float or double (a packed copy would serve too few rows to pay), else packed into vb first.
+  static void add_weighted_values(C* acc, const RowMat<C>& w, Buffer& buf, Packed& vb, const View4<const T>& v,
+                                  int64_t n, int64_t hk, int64_t r0, int64_t Dv) {
+    if (!is_half<T> && w.rows() <= kFewValueRows) {
+      if constexpr (!is_half<T>)
+        gemm_unpacked(acc, Dv, row_major(w.data(), w.cols()), v.at(n, hk, r0), v.row, w.rows(), Dv, w.cols(), C(1),
+                      Write::accumulate);
+      return;
+    }
+    pack(vb, v, n, hk, r0, w.cols(), Dv, false);
+    weights_product(acc, Dv, w, buf, vb, Dv, C(1), Write::accumulate);
+  }
+  // Up to this many rows of weights (a decoding step's), add_weighted_values reads the values in place: a packed
+  // copy would be used by too few rows to pay (decode step of the benchmark, (8, 32 heads, 1, 128) over a cache
+  // of 4096: 15% faster).
+  static constexpr int64_t kFewValueRows = 16;
+};
+
+#if defined(__AVX512BF16__)
+struct PairProducts {
+  using T = bfloat16;
+  using C = float;
+  using Packed = PackedPairs;
+  using Buffer = std::vector<uint32_t>;
+  struct Rows {
+    const uint32_t* data;  // pairs of bfloat16
+    int64_t ld;            // row stride in pairs
+  };
+  static constexpr int64_t kPanel = Packed::kPanel;
+
+  // Whether the arrays' rows can be read as pairs: even row widths and strides, 4-byte aligned data.
+  static bool fit(std::initializer_list<const View4<const T>*> arrays, std::initializer_list<int64_t> widths) {
+    for (const int64_t w : widths)
+      if (w % 2) return false;
+    for (const auto* a : arrays)
+      if ((a->n | a->h | a->row) % 2 || reinterpret_cast<uintptr_t>(a->data) % 4) return false;
+    return true;
+  }
+
+  static Rows rows(Buffer&, const View4<const T>& a, int64_t n, int64_t h, int64_t r0, int64_t, int64_t) {
+    return {reinterpret_cast<const uint32_t*>(a.at(n, h, r0)), a.row / 2};
+  }
+  template <typename RowAt>
+  static Rows gather(Buffer& buf, RowAt&& row, int64_t count, int64_t cols) {
+    buf.resize(std::size_t(count * cols / 2));
+    for (int64_t r = 0; r < count; ++r) std::memcpy(buf.data() + r * cols / 2, row(r), cols * sizeof(T));
+    return {buf.data(), cols / 2};
+  }
+  static void pack(Packed& b, const View4<const T>& a, int64_t n, int64_t h, int64_t r0, int64_t rows, int64_t cols,
+                   bool transposed) {
+    if (transposed)
+      b.pack_transposed(a.at(n, h, r0), a.row, rows, cols);
+    else
+      b.pack_rows(a.at(n, h, r0), a.row, rows, cols);
+  }
+  static void pack(Packed& b, Rows a, int64_t rows, int64_t cols) {
+    b.pack_rows(reinterpret_cast<const T*>(a.data), 2 * a.ld, rows, cols);
+  }
+
+  // (k0 and K even, but for the last block's K)
+  static void product(C* c, int64_t ldc, Rows a, const Packed& b, int64_t M, int64_t N, int64_t K, C alpha,
+                      Write write, int64_t k0 = 0, int64_t j0 = 0) {
+    gemm_pairs(c, ldc, {a.data, a.ld, 1}, b, M, N, (K + 1) / 2, alpha, write, k0 / 2, j0);
+  }
+  static void weights_product(C* c, int64_t ldc, const RowMat<C>& w, Buffer& buf, const Packed& b, int64_t N,
+                              C alpha, Write write, int64_t k0 = 0) {
+    const int64_t M = w.rows(), K2 = (w.cols() + 1) / 2;
+    buf.resize(std::size_t(M * K2));
+    to_pair_rows(buf.data(), w.data(), w.cols(), M, w.cols());
+    gemm_pairs(c, ldc, {buf.data(), K2, 1}, b, M, N, K2, alpha, write, k0 / 2);
+  }
+  static void weights_t_product(C* c, int64_t ldc, const RowMat<C>& w, Buffer& buf, const Packed& b, int64_t N,
+                                C alpha, Write write) {
+    const int64_t M = w.cols(), K2 = (w.rows() + 1) / 2;
+    buf.resize(std::size_t(K2 * M));
+    to_pair_columns(buf.data(), w.data(), M, w.rows(), M);
+    gemm_pairs(c, ldc, {buf.data(), 1, M}, b, M, N, K2, alpha, write);
+  }
+  static void add_weighted_values(C* acc, const RowMat<C>& w, Buffer& buf, Packed& vb, const View4<const T>& v,
+                                  int64_t n, int64_t hk, int64_t r0, int64_t Dv) {
+    pack(vb, v, n, hk, r0, w.cols(), Dv, false);
+    weights_product(acc, Dv, w, buf, vb, Dv, C(1), Write::accumulate);
+  }
+};
+#endif
+
+}  // namespace attnpp::ATTNPP_CPU_NS
