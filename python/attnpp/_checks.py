@@ -32,7 +32,8 @@ def as_ndarray(x, name, written=False):
         return x
     if hasattr(x, "__dlpack__"):
         try:
-            return np.from_dlpack(x)
+            return bfloat16_tensor_as_ndarray(x) if str(getattr(x, "dtype", "")) == "torch.bfloat16" else \
+                np.from_dlpack(x)
         except (BufferError, RuntimeError, TypeError, ValueError) as e:
             raise TypeError(f"{name}: cannot view {type(x).__name__} as a NumPy array ({e}); pass a CPU array "
                             f"that does not require grad (for a torch tensor: tensor.detach().cpu()), or use "
@@ -41,6 +42,14 @@ def as_ndarray(x, name, written=False):
         return np.asarray(x)
     raise TypeError(f"{name}: expected a numpy.ndarray{'' if written else ' or an array with __array__'} or "
                     f"__dlpack__ (a CPU torch tensor), got {type(x).__name__}; convert it with numpy.asarray()")
+
+
+def bfloat16_tensor_as_ndarray(tensor):
+    """A CPU torch.bfloat16 tensor's memory as an ndarray of ``ml_dtypes.bfloat16``, without a copy (NumPy has no
+    bfloat16 of its own, so DLPack cannot carry one): its bits viewed as uint16, then as bfloat16. RuntimeError
+    from torch for a tensor that requires grad or is not on the CPU."""
+    import torch  # (only ever given a torch tensor: torch is there)
+    return tensor.view(torch.uint16).numpy().view(BFLOAT16)
 
 
 def check_array(x, name, ndim=None, min_ndim=None, dtype=None, written=False):
@@ -360,6 +369,6 @@ ARGUMENTS = {
                          attn_dropout=PROBABILITY, out_dropout=PROBABILITY, scale=SCALE,
                          context_length=OPTIONAL_COUNT, window=WINDOW, softcap=SOFTCAP, sinks=FLAG, rotary=FLAG,
                          rotary_interleaved=FLAG, dtype=DTYPE),
-    "optim.SGD": dict(lr=HYPER, momentum=HYPER, dampening=HYPER, weight_decay=HYPER),
-    "optim.AdamW": dict(lr=HYPER, eps=HYPER, weight_decay=HYPER),
+    "optim.SGD": dict(lr=HYPER, momentum=HYPER, dampening=HYPER, weight_decay=HYPER, master_weights=FLAG),
+    "optim.AdamW": dict(lr=HYPER, eps=HYPER, weight_decay=HYPER, master_weights=FLAG),
 }

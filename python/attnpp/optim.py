@@ -4,6 +4,14 @@ As in ``torch.optim``: parameters in ``param_groups`` (a list of dicts holding `
 hyper-parameters, which may be changed between steps, as learning-rate schedules do), per-parameter ``state``,
 ``state_dict()``/``load_state_dict()`` for checkpoints, ``zero_grad(set_to_none=True)``. Parameters whose
 ``grad`` is None are skipped by ``step`` (no update, no state change).
+
+Half-precision parameters (float16, bfloat16) follow PyTorch's rule: their state (momentum, moments) is kept in
+the parameter's dtype, and each update is computed in float32 and rounded once into the parameter and its state.
+``master_weights=True`` is the usual mixed-precision recipe instead: the optimizer keeps a float32 copy of each
+half-precision parameter (``state["master_param"]``) and float32 state, updates the copy from the gradient read
+in float32, and writes the copy back rounded to the parameter's dtype; small updates then accumulate instead of
+being rounded away. Loss scaling is left to the caller, as in PyTorch (scale the loss's gradient, unscale
+``p.grad`` before ``step``).
 """
 import copy
 import numbers
@@ -11,7 +19,7 @@ import numbers
 import numpy as np
 
 from . import _core
-from ._checks import check_hyper
+from ._checks import HALVES, check_bool, check_hyper
 from .nn import Parameter
 from .nn.module import to_numpy
 
@@ -24,9 +32,12 @@ class Optimizer:
         params: an iterable of ``attnpp.nn.Parameter``, or of dicts ``{"params": [...], "lr": ..., ...}`` (one
             parameter group each, its own hyper-parameters overriding the defaults).
         defaults (dict): the hyper-parameters of groups that do not set them.
+        master_weights (bool): keep float32 copies of half-precision parameters and update those (module
+            docstring). Default: False.
     """
 
-    def __init__(self, params, defaults):
+    def __init__(self, params, defaults, master_weights=False):
+        self.master_weights = check_bool(master_weights, "master_weights")
         if isinstance(params, (Parameter, np.ndarray, dict)) or not hasattr(params, "__iter__"):
             hint = " (pass layer.parameters())" if hasattr(params, "parameters") else ""
             raise TypeError(f"params: expected an iterable of attnpp.nn.Parameter or of dicts, got "
@@ -86,13 +97,28 @@ class Optimizer:
             for p in group["params"]:
                 p.zero_grad(set_to_none)
 
+    def _master(self, p):
+        """Whether ``p`` is updated through a float32 master copy."""
+        return self.master_weights and p.dtype in HALVES
+
     def _grouped(self):
-        """Yield (group, param, state) for every parameter that has a gradient, after checking the group."""
+        """Yield (group, param, grad, state) for every parameter that has a gradient, after checking the group:
+        ``param`` and ``grad`` the arrays the update reads and writes in place, the parameter's own, or with
+        master weights its float32 copy (created on its first step) and the gradient read in float32. The copy
+        is written back into the parameter, rounded, when the caller's update of it is done (the next item)."""
         for group in self.param_groups:
             self._check_group(group)
             for p in group["params"]:
-                if p.grad is not None:
-                    yield group, p, self.state.setdefault(p, {})
+                if p.grad is None:
+                    continue
+                state = self.state.setdefault(p, {})
+                if not self._master(p):
+                    yield group, p.data, p.grad, state
+                    continue
+                if "master_param" not in state:
+                    state["master_param"] = p.data.astype(np.float32)
+                yield group, state["master_param"], p.grad.astype(np.float32), state
+                p.data[...] = state["master_param"]
 
     def state_dict(self):
         """The optimizer's state as PyTorch lays it out: ``{"state": {index: {name: value}}, "param_groups":
@@ -134,7 +160,7 @@ class Optimizer:
                 if value.shape != p.shape:
                     raise ValueError(f"state_dict['state'][{i}][{name!r}]: expected shape {p.shape}, got "
                                      f"{value.shape}")
-                state[p][name] = np.array(value, dtype=p.dtype, order="C")
+                state[p][name] = np.array(value, dtype=np.float32 if self._master(p) else p.dtype, order="C")
         groups = [dict(copy.deepcopy({k: v for k, v in s.items() if k != "params"}), params=g["params"])
                   for s, g in zip(saved, self.param_groups)]
         for group in groups:
@@ -159,8 +185,9 @@ class SGD(Optimizer):
         params (iterable of Parameter, or of dicts): e.g. ``model.parameters()``, or parameter groups.
         lr (float): learning rate. Default: 1e-3. momentum (float): Default 0. dampening (float): Default 0.
         weight_decay (float): L2 penalty. Default 0. nesterov (bool): Default False.
+        master_weights (bool): float32 copies of half-precision parameters (module docstring). Default False.
 
-    State per parameter: ``momentum_buffer`` (with momentum).
+    State per parameter: ``momentum_buffer`` (with momentum); ``master_param`` with master weights.
 
     Raises:
         ValueError: a negative or non-finite hyper-parameter, an empty parameter list or one with a parameter
@@ -168,9 +195,10 @@ class SGD(Optimizer):
         TypeError: something other than attnpp parameters, a hyper-parameter that is not a number.
     """
 
-    def __init__(self, params, lr=1e-3, momentum=0.0, dampening=0.0, weight_decay=0.0, nesterov=False):
+    def __init__(self, params, lr=1e-3, momentum=0.0, dampening=0.0, weight_decay=0.0, nesterov=False, *,
+                 master_weights=False):
         super().__init__(params, dict(lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay,
-                                      nesterov=nesterov))
+                                      nesterov=nesterov), master_weights)
 
     def _check_group(self, group):
         super()._check_group(group)
@@ -179,11 +207,11 @@ class SGD(Optimizer):
 
     def step(self):
         """Update every parameter that has a gradient."""
-        for group, p, state in self._grouped():
+        for group, param, grad, state in self._grouped():
             first = "momentum_buffer" not in state
             if group["momentum"] != 0 and first:
-                state["momentum_buffer"] = np.zeros(p.shape, p.dtype)
-            _core.sgd_step(p.data, p.grad, state.get("momentum_buffer"), float(group["lr"]),
+                state["momentum_buffer"] = np.zeros(param.shape, param.dtype)
+            _core.sgd_step(param, grad, state.get("momentum_buffer"), float(group["lr"]),
                            float(group["momentum"]), float(group["dampening"]), float(group["weight_decay"]),
                            bool(group["nesterov"]), first)
 
@@ -199,8 +227,9 @@ class AdamW(Optimizer):
         params (iterable of Parameter, or of dicts): e.g. ``model.parameters()``, or parameter groups.
         lr (float): Default 1e-3. betas (float, float): Default (0.9, 0.999). eps (float): Default 1e-8.
         weight_decay (float): Default 1e-2.
+        master_weights (bool): float32 copies of half-precision parameters (module docstring). Default False.
 
-    State per parameter: ``step`` (int), ``exp_avg``, ``exp_avg_sq``.
+    State per parameter: ``step`` (int), ``exp_avg``, ``exp_avg_sq``; ``master_param`` with master weights.
 
     Raises:
         ValueError: a negative or non-finite hyper-parameter, betas outside [0, 1), an empty parameter list or
@@ -208,8 +237,8 @@ class AdamW(Optimizer):
         TypeError: something other than attnpp parameters, hyper-parameters that are not numbers.
     """
 
-    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2):
-        super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, *, master_weights=False):
+        super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay), master_weights)
 
     def _check_group(self, group):
         super()._check_group(group)
@@ -226,11 +255,12 @@ class AdamW(Optimizer):
 
     def step(self):
         """Update every parameter that has a gradient."""
-        for group, p, state in self._grouped():
-            if not state:
-                state.update(step=0, exp_avg=np.zeros(p.shape, p.dtype), exp_avg_sq=np.zeros(p.shape, p.dtype))
+        for group, param, grad, state in self._grouped():
+            if "step" not in state:
+                state.update(step=0, exp_avg=np.zeros(param.shape, param.dtype),
+                             exp_avg_sq=np.zeros(param.shape, param.dtype))
             state["step"] += 1
             beta1, beta2 = group["betas"]
-            _core.adamw_step(p.data, p.grad, state["exp_avg"], state["exp_avg_sq"], float(group["lr"]),
+            _core.adamw_step(param, grad, state["exp_avg"], state["exp_avg_sq"], float(group["lr"]),
                              float(beta1), float(beta2), float(group["eps"]), float(group["weight_decay"]),
                              state["step"])

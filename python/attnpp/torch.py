@@ -2,8 +2,8 @@
 
 ``import attnpp.torch`` (``import attnpp`` alone never imports torch). Each operation is a
 ``torch.autograd.Function`` whose forward and backward are attnpp's C++ (``attnpp.functional``); the tensors'
-memory is read as NumPy views (no copy, non-contiguous tensors included) and the results are wrapped with
-``torch.from_numpy``. Double backward is not supported (the backward is not itself differentiable).
+memory is read as NumPy views (no copy, non-contiguous tensors included; bfloat16 through ``ml_dtypes.bfloat16``)
+and the results are wrapped without a copy either. Double backward is not supported (the backward is not itself differentiable).
 
 - ``scaled_dot_product_attention``: as ``torch.nn.functional.scaled_dot_product_attention``.
 - ``linear`` and ``Linear``: as ``torch.nn.functional.linear`` and ``torch.nn.Linear``.
@@ -14,7 +14,8 @@ memory is read as NumPy views (no copy, non-contiguous tensors included) and the
 Shape letters: B... batch dimensions, H heads (Hq of the query, Hk of key and value), L query length, S key/value
 length, D query/key head width, Dv value head width, E embedding width.
 
-Tensors: float32 or float64 (masks may be bool), on the CPU. Masks follow PyTorch's conventions, which differ
+Tensors: float32, float64, float16 or bfloat16 (masks may be bool), on the CPU; half precision is computed and
+accumulated in float32 and rounded once per output, as PyTorch's CPU kernels do, and the log-sum-exp is float32. Masks follow PyTorch's conventions, which differ
 between functions: in ``scaled_dot_product_attention`` a bool ``attn_mask`` is True where a key *takes part*; in
 ``MultiheadAttention`` and ``Attention`` a bool mask is True where a key is *masked out*. Float masks are added
 to the scores everywhere; masks get no gradient.
@@ -24,8 +25,8 @@ Dropout: the seed of each call with dropout is drawn from torch's default CPU ge
 the backward reuses the forward's mask. The mask of seed ``seed`` is ``attnpp.functional.dropout_mask``'s.
 
 Raises (every function and module): ValueError for a tensor not on the CPU ("attnpp runs on the CPU: move the
-tensors with .cpu()"); TypeError for another dtype than float32/float64 (float16 and bfloat16 included: convert
-with ``.float()`` or ``.double()``) or a non-tensor; ValueError/TypeError from ``attnpp.functional`` for
+tensors with .cpu()"); TypeError for another dtype than float32, float64, float16 or bfloat16, mixed dtypes, or
+a non-tensor; ValueError/TypeError from ``attnpp.functional`` for
 shapes, masks and arguments that do not agree.
 
 Method: Vaswani et al., "Attention Is All You Need" (2017); computed as FlashAttention-2 (Dao, 2023): only the
@@ -33,42 +34,55 @@ output and the log-sum-exp are saved for the backward, memory grows with L, not 
 """
 import math
 
+import numpy as np
 import torch
 from torch.autograd.function import once_differentiable
 
 from . import functional as AF
-from ._checks import check_attention_layer_shapes, check_probability
+from ._checks import BFLOAT16, bfloat16_tensor_as_ndarray, check_attention_layer_shapes, check_probability
 from .nn.attention import attention_config_of, rotary_tables, variant_args
 
 __all__ = ["scaled_dot_product_attention", "linear", "Linear", "MultiheadAttention", "Attention"]
 
-_FLOATS = (torch.float32, torch.float64)
+_FLOATS = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
+_FLOAT_NAMES = "float32, float64, float16 or bfloat16"
 
 
 # ------------------------------------------------------------------------------------------------- tensors
 def _check_tensor(t, name, mask=False):
-    """``t`` if it is a CPU tensor of float32/float64 (or bool for a ``mask``), else ValueError/TypeError."""
+    """``t`` if it is a CPU tensor of a float dtype attnpp computes in (or bool for a ``mask``), else
+    ValueError/TypeError."""
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
     if t.device.type != "cpu":
         raise ValueError(f"{name}: attnpp runs on the CPU: move the tensors with .cpu() (got device {t.device})")
     if t.dtype not in _FLOATS and not (mask and t.dtype == torch.bool):
-        raise TypeError(f"{name}: attnpp computes in float32 or float64{' (masks may be bool)' if mask else ''}, "
-                        f"got {t.dtype}; convert with .float() or .double()")
+        raise TypeError(f"{name}: attnpp computes in {_FLOAT_NAMES}{' (masks may be bool)' if mask else ''}, "
+                        f"got {t.dtype}")
     return t
 
 
 def _check_dtype(dtype):
-    """A module's dtype: torch's default for None; TypeError unless float32 or float64."""
+    """A module's dtype: torch's default for None; TypeError unless float32, float64, float16 or bfloat16."""
     dtype = torch.get_default_dtype() if dtype is None else dtype
     if dtype not in _FLOATS:
-        raise TypeError(f"dtype: attnpp computes in float32 or float64, got {dtype}")
+        raise TypeError(f"dtype: attnpp computes in {_FLOAT_NAMES}, got {dtype}")
     return dtype
 
 
 def _numpy(t):
     """The NumPy view of a checked CPU tensor, no copy (None stays None)."""
-    return None if t is None else t.detach().numpy()
+    if t is None:
+        return None
+    return bfloat16_tensor_as_ndarray(t.detach()) if t.dtype == torch.bfloat16 else t.detach().numpy()
+
+
+def _tensor(a):
+    """A tensor sharing the memory of the ndarray ``a`` (``torch.from_numpy``; an ml_dtypes bfloat16 array as a
+    torch.bfloat16 tensor)."""
+    if a.dtype == BFLOAT16:
+        return torch.from_numpy(a.view(np.uint16)).view(torch.bfloat16)
+    return torch.from_numpy(a)
 
 
 def _draw_seed():
@@ -83,7 +97,7 @@ class _LinearFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, input, weight, bias):
         ctx.save_for_backward(input, weight, bias)
-        return torch.from_numpy(AF.linear(_numpy(input), _numpy(weight), _numpy(bias)))
+        return _tensor(AF.linear(_numpy(input), _numpy(weight), _numpy(bias)))
 
     @staticmethod
     @once_differentiable
@@ -93,9 +107,9 @@ class _LinearFunction(torch.autograd.Function):
         # linear_backward accumulates into these (the weight's is computed even when not needed)
         grad_weight = torch.zeros(weight.shape, dtype=weight.dtype)
         grad_bias = torch.zeros(bias.shape, dtype=bias.dtype) if need_bias else None
-        grad_input = AF.linear_backward(_numpy(grad_output), _numpy(input), _numpy(weight), grad_weight.numpy(),
+        grad_input = AF.linear_backward(_numpy(grad_output), _numpy(input), _numpy(weight), _numpy(grad_weight),
                                         _numpy(grad_bias), need_input_grad=need_input)
-        return (None if grad_input is None else torch.from_numpy(grad_input),
+        return (None if grad_input is None else _tensor(grad_input),
                 grad_weight if need_weight else None, grad_bias)
 
 
@@ -111,7 +125,7 @@ class _AttentionFunction(torch.autograd.Function):
         output, lse, _ = AF.scaled_dot_product_attention_forward(
             *map(_numpy, (query, key, value, attn_mask)), *args, seed=seed, causal_alignment=causal_alignment,
             sinks=_numpy(sinks), **options)
-        output, lse = torch.from_numpy(output), torch.from_numpy(lse)
+        output, lse = _tensor(output), _tensor(lse)
         ctx.save_for_backward(query, key, value, attn_mask, sinks, output, lse)
         ctx.args, ctx.seed, ctx.causal_alignment, ctx.options = args, seed, causal_alignment, options
         ctx.mark_non_differentiable(lse)
@@ -128,8 +142,8 @@ class _AttentionFunction(torch.autograd.Function):
         grads = AF.scaled_dot_product_attention_backward(
             *map(_numpy, (grad_output, query, key, value, output, lse, attn_mask)), *ctx.args, seed=ctx.seed,
             causal_alignment=ctx.causal_alignment, sinks=_numpy(sinks), **ctx.options)
-        grad_sinks = torch.from_numpy(grads[3]) if needs[4] else None
-        grads = [torch.from_numpy(g) if need else None for g, need in zip(grads[:3], needs[:3])]
+        grad_sinks = _tensor(grads[3]) if needs[4] else None
+        grads = [_tensor(g) if need else None for g, need in zip(grads[:3], needs[:3])]
         return (*grads, None, grad_sinks) + nones
 
 
@@ -139,13 +153,13 @@ class _RotaryFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, input, cos, sin, interleaved):
         ctx.tables, ctx.interleaved = (cos, sin), interleaved
-        return torch.from_numpy(AF.rotary_embedding(_numpy(input), cos, sin, interleaved=interleaved))
+        return _tensor(AF.rotary_embedding(_numpy(input), cos, sin, interleaved=interleaved))
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_output):
         grad = AF.rotary_embedding_backward(_numpy(grad_output), *ctx.tables, interleaved=ctx.interleaved)
-        return torch.from_numpy(grad), None, None, None
+        return _tensor(grad), None, None, None
 
 
 def _attention(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, seed, causal_alignment,
@@ -166,7 +180,7 @@ def _attention(query, key, value, attn_mask, dropout_p, is_causal, scale, enable
                                            enable_gqa, seed, causal_alignment, options)
     weights = None
     if need_weights:
-        weights = torch.from_numpy(AF.scaled_dot_product_attention_weights(
+        weights = _tensor(AF.scaled_dot_product_attention_weights(
             _numpy(query), _numpy(key), _numpy(attn_mask), dropout_p, is_causal, scale, enable_gqa, seed=seed,
             causal_alignment=causal_alignment, logsumexp=_numpy(lse), sinks=_numpy(sinks), **options))
     return output, weights, seed if dropout_p > 0 else None
@@ -181,7 +195,7 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     ``softmax(scale * query key^T + attn_mask) value``, with dropout on the weights.
 
     Args:
-        query (Tensor): (B..., Hq, L, D), or (L, D) unbatched; float32 or float64, on the CPU.
+        query (Tensor): (B..., Hq, L, D), or (L, D) unbatched; float32, float64, float16 or bfloat16, on the CPU.
         key (Tensor): (B..., Hk, S, D), same dtype. B... broadcasts against the query's.
         value (Tensor): (B..., Hv, S, Dv), same dtype; Hv = Hk unless ``enable_gqa``.
         attn_mask (Tensor, optional): broadcastable to (B..., Hq, L, S). Bool: True where a key *takes part*
@@ -216,7 +230,7 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     Raises:
         ValueError: a tensor not on the CPU; shapes that do not agree or broadcast, dropout_p outside [0, 1),
         attn_mask with is_causal=True, the variants' bad values (a window side below -1, a negative softcap,
-        alibi_slopes or sinks of another shape). TypeError: dtypes other than float32/float64 (bool for the mask)
+        alibi_slopes or sinks of another shape). TypeError: dtypes other than float32, float64, float16 or bfloat16 (bool for the mask)
         or mixed, a non-tensor (sinks included).
     """
     return _attention(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, seed,
@@ -227,7 +241,7 @@ def linear(input, weight, bias=None):
     """``input @ weight.T + bias``, as ``torch.nn.functional.linear``, differentiable through attnpp's backward.
 
     Args:
-        input (Tensor): (*, Fin), float32 or float64, on the CPU.
+        input (Tensor): (*, Fin), float32, float64, float16 or bfloat16, on the CPU.
         weight (Tensor): (Fout, Fin), same dtype.
         bias (Tensor, optional): (Fout,). Default: None.
 
@@ -256,7 +270,7 @@ def _additive_mask(mask, dtype, name):
 # ------------------------------------------------------------------------------------------------- modules
 class Linear(torch.nn.Linear):
     """``torch.nn.Linear`` (same arguments, parameters, initialisation and state dict) whose forward and
-    backward are attnpp's: input (*, Fin) -> (*, Fout), float32 or float64 on the CPU."""
+    backward are attnpp's: input (*, Fin) -> (*, Fout), float32, float64, float16 or bfloat16 on the CPU."""
 
     def forward(self, input):
         return linear(input, self.weight, self.bias)
@@ -270,7 +284,7 @@ class MultiheadAttention(torch.nn.MultiheadAttention):
     dtype=None), parameters (``in_proj_weight`` or ``q_proj_weight``/``k_proj_weight``/``v_proj_weight``,
     ``in_proj_bias``, ``bias_k``, ``bias_v``, ``out_proj.weight``, ``out_proj.bias``), state-dict keys and
     initialisation (the same draws from torch's generator), so state dicts load either way. Only ``forward``
-    differs: see there. Default dtype: torch's (float32); float32 or float64 only, on the CPU.
+    differs: see there. Default dtype: torch's (float32); float32, float64, float16 or bfloat16 only, on the CPU.
 
     ``MultiHead(Q, K, V) = Concat(head_1, ..., head_H) W_O^T + b_O``,
     ``head_h = softmax((Q W_Q^h)(K W_K^h)^T / sqrt(E / H) + mask) (V W_V^h)`` (Vaswani et al., 2017).
@@ -416,7 +430,7 @@ class Attention(torch.nn.Module):
     out_dim, bias=True, out_proj=True, out_bias, causal=False, causal_alignment="top_left", attn_dropout=0.0,
     out_dropout=0.0, scale, context_length, and the variants window, alibi=False, softcap, sinks=False,
     rotary=False, rotary_dim, rotary_base=10000.0, rotary_interleaved=False; checked by the same
-    ``attention_config``, documented there), except ``dtype`` (torch.dtype, optional): float32 or float64,
+    ``attention_config``, documented there), except ``dtype`` (torch.dtype, optional): float32, float64, float16 or bfloat16,
     default torch's default dtype; the output dropout is a ``torch.nn.Dropout``.
 
     Sub-modules (``attnpp.torch.Linear``, weight (out, in), torch.nn.Linear's initialisation): ``q_proj``
@@ -428,7 +442,7 @@ class Attention(torch.nn.Module):
 
     Raises:
         ValueError: H not dividing qk_dim or v_dim, a non-positive width, dropout outside [0, 1), an unknown
-        causal_alignment. TypeError: a dtype other than float32 or float64, widths that are not ints. And the
+        causal_alignment. TypeError: a dtype other than float32, float64, float16 or bfloat16, widths that are not ints. And the
         variants' errors, as ``attnpp.nn.Attention`` lists them.
     """
 
@@ -479,7 +493,7 @@ class Attention(torch.nn.Module):
 
         Raises:
             ValueError: tensors not on the CPU, shapes that do not agree, a sequence longer than
-            context_length. TypeError: dtypes other than float32/float64 or mixed (masks may be bool).
+            context_length. TypeError: dtypes other than float32, float64, float16 or bfloat16 or mixed (masks may be bool).
         """
         context = self._check(x, context, key_padding_mask)
         batched = x.dim() == 3

@@ -290,7 +290,9 @@ class Attention(Module):
             10000.0.
         rotary_interleaved (bool): rotate the feature pairs (2d, 2d + 1) (GPT-J) instead of (d, d + R/2)
             (GPT-NeoX, Llama's ``rotate_half``). Default: False.
-        dtype: float32 (default) or float64.
+        dtype: float32 (default), float64, float16 or bfloat16 (``ml_dtypes.bfloat16``, or the names): the
+            parameters' and the inputs' dtype. Half precision is computed and accumulated in float32 and rounded
+            once per output, as PyTorch's CPU kernels do.
 
     Sub-layers (``attnpp.nn.Linear``, weight (out, in)): ``q_proj`` (E -> qk_dim), ``k_proj`` (kv_dim -> qk_dim),
     ``v_proj`` (kv_dim -> v_dim), ``out_proj`` (v_dim -> out_dim, or None), and ``out_drop`` (``Dropout``).
@@ -301,7 +303,7 @@ class Attention(Module):
         below -1, a negative or infinite softcap, alibi slopes of another shape than (H,) or not finite, an odd
         rotary_dim or one above the head width (or an odd head width with rotary=True and no rotary_dim), a
         rotary_base that is not finite and > 0, rotary_dim/rotary_base/rotary_interleaved without rotary=True.
-        TypeError: a dtype other than float32 or float64, widths that are not ints, dropouts that are not floats,
+        TypeError: another dtype, widths that are not ints, dropouts that are not floats,
         a window that is not two ints, alibi that is neither a bool nor a float array, sinks/rotary/
         rotary_interleaved that are not bools, a softcap or rotary_base that is not a number.
         MemoryError: widths too large to allocate.
@@ -433,7 +435,7 @@ class Attention(Module):
         if self.rotary:
             q, k = self._rotate(q, 0), self._rotate(k, 0)
         attn = F._empty((B, L, self.v_dim), self.dtype)
-        lse = np.empty((B, H, L), self.dtype)
+        lse = np.empty((B, H, L), checks.compute_dtype(self.dtype))
         _core.sdpa_forward(self._heads(attn), lse, q, k, v, params)
         y = attn if self.out_proj is None else self.out_proj(attn)
         y = self.out_drop(y, seed=(base_seed + 1) % 2**64 if dropping else None)

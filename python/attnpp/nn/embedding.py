@@ -10,7 +10,7 @@ class Embedding(Module):
     Args:
         num_embeddings (int): V, the number of rows (e.g. the vocabulary size).
         embedding_dim (int): E, the width of each row.
-        dtype: float32 (default) or float64.
+        dtype: float32 (default), float64, float16 or bfloat16.
 
     Parameters:
         weight: (V, E), initialised N(0, 1) like PyTorch.

@@ -17,7 +17,7 @@ class KVCache:
         num_heads (int): H.
         max_length (int): S_max, the most tokens a sequence can hold (prompt and generated ones).
         head_dim (int): D. v_head_dim (int, optional): Dv. Default: ``head_dim``.
-        dtype: float32 (default) or float64.
+        dtype: float32 (default), float64, float16 or bfloat16.
 
     Attributes:
         key (ndarray): (B, H, S_max, D); rows [0, lengths[b]) of sequence b are its cached keys.

@@ -13,7 +13,7 @@ class Linear(Module):
         in_features (int): Fin, the width of each input row.
         out_features (int): Fout, the width of each output row.
         bias (bool): learn an additive bias. Default: True.
-        dtype: float32 (default) or float64 (NumPy or torch dtype, or its name).
+        dtype: float32 (default), float64, float16 or bfloat16 (NumPy, ml_dtypes or torch dtype, or its name).
 
     Parameters:
         weight: (Fout, Fin), initialised U(-1/sqrt(Fin), 1/sqrt(Fin)) like PyTorch.

@@ -23,7 +23,8 @@ PENDING_CONTEXTS_WARNING = 1000
 def to_numpy(value, name):
     """A state-dict value (NumPy array or torch tensor, without importing torch) as a NumPy array."""
     if hasattr(value, "detach") and hasattr(value, "cpu"):
-        value = value.detach().cpu().numpy()
+        value = value.detach().cpu()
+        value = checks.bfloat16_tensor_as_ndarray(value) if str(value.dtype) == "torch.bfloat16" else value.numpy()
     if not isinstance(value, np.ndarray):
         raise TypeError(f"state_dict[{name!r}]: expected an array or tensor, got {type(value).__name__}")
     return value
@@ -260,7 +261,7 @@ class Module:
             if name not in state_dict:
                 continue
             v = to_numpy(state_dict[name], name)
-            if name in params and v.dtype.kind != "f":
+            if name in params and v.dtype not in checks.FLOATS and v.dtype.kind != "f":
                 raise TypeError(f"state_dict[{name!r}]: expected a floating dtype, got {v.dtype}")
             if v.shape != arr.shape:
                 raise ValueError(f"state_dict[{name!r}]: expected shape {arr.shape}, got {v.shape}")

@@ -31,7 +31,7 @@ class MultiheadAttention(Module):
         kdim (int, optional): width of ``key``. Default: E.
         vdim (int, optional): width of ``value``. Default: E.
         batch_first (bool): inputs and output are (B, L, E) instead of (L, B, E). Default: False.
-        dtype: float32 (default) or float64.
+        dtype: float32 (default), float64, float16 or bfloat16 (computed in float32, rounded once per output).
 
     Parameters (PyTorch's state-dict keys): ``in_proj_weight`` (3E, E) when kdim == vdim == E, else
     ``q_proj_weight`` (E, E), ``k_proj_weight`` (E, kdim), ``v_proj_weight`` (E, vdim); ``in_proj_bias`` (3E,);
@@ -39,7 +39,7 @@ class MultiheadAttention(Module):
 
     Raises:
         ValueError: ``embed_dim`` not divisible by ``num_heads``, dropout outside [0, 1).
-        TypeError: a dtype other than float32 or float64.
+        TypeError: a dtype other than float32, float64, float16 or bfloat16.
     """
 
     def __init__(self, embed_dim, num_heads, dropout=0.0, bias=True, add_bias_kv=False, add_zero_attn=False,
@@ -222,7 +222,7 @@ class MultiheadAttention(Module):
         params = F.attention_params((B,), H, dt, scale=1.0 / math.sqrt(self.head_dim), causal=causal,
                                     dropout_p=p, seed=seed, masks=masks)
         out = F._empty(q.shape, q.dtype)
-        lse = np.empty((B, H, L), dt)
+        lse = np.empty((B, H, L), checks.compute_dtype(dt))
         q4, k4, v4, o4 = (self._heads(x, bf) for x in (q, k, v, out))
         _core.sdpa_forward(o4, lse, q4, k4, v4, params)
         y = self.out_proj(out)

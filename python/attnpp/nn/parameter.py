@@ -1,30 +1,30 @@
 """A trainable array and its gradient, as ``torch.nn.Parameter`` on NumPy."""
 import numpy as np
 
-_FLOATS = (np.dtype(np.float32), np.dtype(np.float64))
+from .._checks import FLOAT_NAMES, FLOATS
 
 
 class Parameter:
     """A trainable array with its gradient beside it.
 
-    ``data`` is a NumPy array (float32 or float64) that the layers and optimizers update in place; ``grad`` is
+    ``data`` is a NumPy array (float32, float64, float16 or bfloat16) that the layers and optimizers update in place; ``grad`` is
     None until a backward accumulates into it (as in PyTorch), then an array of the same shape and dtype.
     Assigning an array to ``data`` (or ``grad``) copies it into the existing buffer, so views taken earlier
     (``state_dict()``'s, for instance) stay valid. ``np.asarray(p)`` and ``p.numpy()`` give ``data`` without a
     copy. Copies (``copy.deepcopy``, pickle) share no memory with the original.
 
     Args:
-        data (array_like): the initial value, copied; a float32 or float64 array.
+        data (array_like): the initial value, copied; a float32, float64, float16 or bfloat16 array.
 
     Raises:
-        TypeError: data that is not a float32 or float64 array; an assignment of something that is not an array
+        TypeError: data that is not such an array; an assignment of something that is not an array
         of real numbers. ValueError: an assignment of another shape.
     """
 
     def __init__(self, data):
         data = np.array(data, copy=True, order="C")
-        if data.dtype not in _FLOATS:
-            raise TypeError(f"data: expected dtype float32 or float64, got {data.dtype}")
+        if data.dtype not in FLOATS:
+            raise TypeError(f"data: expected dtype {FLOAT_NAMES}, got {data.dtype}")
         self._data, self._grad = data, None
 
     @property
@@ -85,7 +85,7 @@ class Parameter:
 def _checked(value, like, name):
     """``value`` as an array of ``like``'s shape, of real numbers castable to its dtype, else TypeError/ValueError."""
     array = np.asarray(value)
-    if array.dtype.kind not in "fiub":
+    if array.dtype.kind not in "fiub" and array.dtype not in FLOATS:
         raise TypeError(f"{name}: expected an array of real numbers, got "
                         f"{array.dtype if isinstance(value, np.ndarray) else type(value).__name__}")
     if array.shape != like.shape:
