@@ -151,8 +151,9 @@ T log_add_exp(T a, T b) {
   return hi == neg_inf<T>() ? hi : hi + std::log1p(std::exp(lo - hi));
 }
 
-template <typename P, typename T>
-void forward(const View4<T>& out, compute_t<T>* logsumexp, const View4<const T>& q, const View4<const T>& k,
+// The forward with queries and output of Q: T, or T's compute type (float queries over a half-precision KV cache).
+template <typename P, typename T, typename Q>
+void forward(const View4<Q>& out, compute_t<T>* logsumexp, const View4<const Q>& q, const View4<const T>& k,
              const View4<const T>& v, const AttnConfig<T>& cfg) {
   using C = compute_t<T>;
   const int64_t bl = kForwardRows, bs = key_block(cfg), g = cfg.group();  // bl: rows per task, bs: keys per block
@@ -263,92 +264,119 @@ void backward(const View4<T>& dq, const View4<T>& dk, const View4<T>& dv, comput
               const View4<const T>& dout, const View4<const T>& out, const compute_t<T>* logsumexp,
               const View4<const T>& q, const View4<const T>& k, const View4<const T>& v, const AttnConfig<T>& cfg) {
   using C = compute_t<T>;
-  // delta (N, Hq, L) = rowsum(dout * out): the softmax backward's sum_j P_ij dP_ij, dropout included.
-  // Summed in a fixed order (not Eigen's alignment-dependent reduction) so that results are reproducible.
-  // The sinks' gradient: dsink_h = -sum_(n, i) P_(n,h,i),sink delta_(n,h,i)  <- the sink takes no value
-  std::vector<C> delta(cfg.lse_size()), dsink_nh(cfg.sinks ? cfg.N * cfg.Hq : 0);
-  parallel_for(cfg.N * cfg.Hq, cfg.lse_size() * cfg.Dv, [&](int64_t nh) {
-    const int64_t n = nh / cfg.Hq, h = nh % cfg.Hq;
-    const Visible vis = cfg.seq(n);
-    C dsink = 0;
-    for (int64_t i = 0; i < vis.L; ++i) {
-      const T *do_row = dout.at(n, h, vis.q0 + i), *o_row = out.at(n, h, vis.q0 + i);
-      C sum = 0;
-      for (int64_t c = 0; c < cfg.Dv; ++c) sum += load(do_row[c]) * load(o_row[c]);
-      const int64_t idx = cfg.lse_index(n, h, i);
-      delta[idx] = sum;
-      if (cfg.sinks && logsumexp[idx] != neg_inf<C>()) dsink -= std::exp(cfg.sinks[h] - logsumexp[idx]) * sum;
-    }
-    if (cfg.sinks) dsink_nh[nh] = dsink;
-  });
-  if (cfg.sinks && dsinks)
-    for (int64_t nh = 0; nh < cfg.N * cfg.Hq; ++nh) dsinks[nh % cfg.Hq] += dsink_nh[nh];
+  // delta (N, Hq, L) = rowsum(dout * out) = sum_j P_ij dP_ij, the softmax backward's term, dropout included.
+  // Summed in a fixed order (not Eigen's alignment-dependent reduction) so that results are reproducible. For
+  // float and double from dout and out; for the half-precision types from the blocks' P and dP, in a first pass
+  // over the blocks (delta_pass below): the output was rounded to half precision, and delta from it would carry
+  // that rounding into every dS = P (dP - delta), dq and dk (up to 5 times PyTorch's math-backend error).
+  std::vector<C> delta(cfg.lse_size());
+  if constexpr (!is_half<T>)
+    parallel_for(cfg.N * cfg.Hq, cfg.lse_size() * cfg.Dv, [&](int64_t nh) {
+      const int64_t n = nh / cfg.Hq, h = nh % cfg.Hq;
+      const Visible vis = cfg.seq(n);
+      for (int64_t i = 0; i < vis.L; ++i) {
+        const T *do_row = dout.at(n, h, vis.q0 + i), *o_row = out.at(n, h, vis.q0 + i);
+        C sum = 0;
+        for (int64_t c = 0; c < cfg.Dv; ++c) sum += do_row[c] * o_row[c];
+        delta[cfg.lse_index(n, h, i)] = sum;
+      }
+    });
   const int64_t bs = key_block(cfg);
   // One thread owns a (n, key/value head) pair: it alone writes that pair's dk, dv and, since each query
   // head belongs to one key/value head, its query heads' dq. Each is summed in the compute type (dq over the
-  // task, dk and dv over a key block) and added to the output once, rounded once for halves.
-  parallel_for(
-      cfg.N * cfg.Hk, cfg.work(),
-      [&](int64_t task) {
-        const int64_t n = task / cfg.Hk, hk = task % cfg.Hk, g = cfg.group();
-        const Visible vis = cfg.seq(n);
-        thread_local typename P::Packed kt, vt, kp, qp, dop;  // k_blk^T, v_blk^T, k_blk; q_blk, dout_blk
-        thread_local typename P::Buffer q_buf, do_buf, w_buf;  // the blocks' rows; the weights as an operand
-        thread_local RowMat<C> p_blk, dp_blk, pd_blk, dcap;  // (Br, Bc)
-        thread_local RowMat<C> dq_acc, dk_acc, dv_acc;     // (g * L, D) the group's dq; (Bc, D), (Bc, Dv)
-        dq_acc.setZero(g * vis.L, cfg.D);
-        for (int64_t j0 = 0; j0 < vis.S; j0 += bs) {
-          const int64_t width = std::min(bs, vis.S - j0);
-          // the query rows [i_begin, i_end) that see keys of this block
-          const int64_t i_begin = std::max<int64_t>(0, vis.first_query(j0));
-          const int64_t i_end = std::min(vis.L, vis.last_query(j0 + width - 1) + 1);
-          if (i_begin >= i_end) continue;
-          P::pack(kt, k, n, hk, vis.k0 + j0, width, cfg.D, true);
-          P::pack(vt, v, n, hk, vis.k0 + j0, width, cfg.Dv, true);
-          P::pack(kp, k, n, hk, vis.k0 + j0, width, cfg.D, false);
-          dk_acc.setZero(width, cfg.D);
-          dv_acc.setZero(width, cfg.Dv);
-          for (int64_t h = hk * g; h < (hk + 1) * g; ++h)
-            for (int64_t i0 = i_begin / kBackwardRows * kBackwardRows; i0 < i_end; i0 += kBackwardRows) {
-              const RowBlock b{n, h, 1, i0, std::min(kBackwardRows, vis.L - i0)};
-              const int64_t rows = b.rows, cols = std::min(width, vis.last_key(i0 + rows - 1) + 1 - j0);
-              const auto q_blk = P::rows(q_buf, q, n, h, vis.q0 + i0, rows, cfg.D);
-              const C* lse = logsumexp + cfg.lse_index(n, h, i0);
-              const C* dlt = delta.data() + cfg.lse_index(n, h, i0);
-              // s = softcap(scale * q k^T) + bias;  p = exp(s - lse)
-              if (!score_block<P>(p_blk, &dcap, q_blk, kt, b, cols, cfg, vis, j0)) continue;
-              probs_from_lse(p_blk, lse);
-              // dp_dropped = dout v^T            <- out = p_dropped v
-              const auto do_blk = P::rows(do_buf, dout, n, h, vis.q0 + i0, rows, cfg.Dv);
-              dp_blk.resize(rows, cols);
-              P::product(dp_blk.data(), cols, do_blk, vt, rows, cols, cfg.Dv, C(1), Write::assign);
-              const RowMat<C>* p_used = &p_blk;  // the weights that multiplied v in the forward
-              if (cfg.dropout_p > 0) {
-                pd_blk = p_blk;
-                apply_dropout(pd_blk, cfg, b, j0);
-                apply_dropout(dp_blk, cfg, b, j0);  // dp = dp_dropped * keep / (1 - p)
-                p_used = &pd_blk;
-              }
-              // dv += p_used^T dout
-              P::pack(dop, do_blk, rows, cfg.Dv);
-              P::weights_t_product(dv_acc.data(), cfg.Dv, *p_used, w_buf, dop, cfg.Dv, C(1), Write::accumulate);
-              // ds = p * (dp - delta)            <- p = softmax(s)
-              for (int64_t r = 0; r < rows; ++r) p_blk.row(r).array() *= dp_blk.row(r).array() - dlt[r];
-              // ds_raw = ds * (1 - tanh^2)       <- s = softcap * tanh(s_raw / softcap)
-              if (cfg.softcap > 0) p_blk.array() *= dcap.array();
-              // dq += scale * ds k;  dk += scale * ds^T q   <- s_raw = scale * q k^T
-              P::weights_product(dq_acc.data() + ((h - hk * g) * vis.L + i0) * cfg.D, cfg.D, p_blk, w_buf, kp, cfg.D,
-                                 cfg.scale, Write::accumulate);
-              P::pack(qp, q_blk, rows, cfg.D);
-              P::weights_t_product(dk_acc.data(), cfg.D, p_blk, w_buf, qp, cfg.D, cfg.scale, Write::accumulate);
+  // task, dk and dv over a key block) and added to the output once, rounded once for halves. With delta_pass,
+  // it sums its rows' delta instead.
+  const auto pass = [&](bool delta_pass) {
+    parallel_for(
+        cfg.N * cfg.Hk, cfg.work(),
+        [&](int64_t task) {
+          const int64_t n = task / cfg.Hk, hk = task % cfg.Hk, g = cfg.group();
+          const Visible vis = cfg.seq(n);
+          using E = typename P::Exact;                       // the products of dS (attention_products.hpp)
+          thread_local typename P::Packed kt, vt, dop;       // k_blk^T, v_blk^T; dout_blk
+          thread_local typename E::Packed kp, qp;            // k_blk, q_blk
+          thread_local typename P::Buffer q_buf, do_buf, w_buf;  // the blocks' rows; the weights as an operand
+          thread_local typename E::Buffer ds_buf;
+          thread_local RowMat<C> p_blk, dp_blk, pd_blk, dcap;  // (Br, Bc)
+          thread_local RowMat<C> dq_acc, dk_acc, dv_acc;     // (g * L, D) the group's dq; (Bc, D), (Bc, Dv)
+          if (!delta_pass) dq_acc.setZero(g * vis.L, cfg.D);
+          for (int64_t j0 = 0; j0 < vis.S; j0 += bs) {
+            const int64_t width = std::min(bs, vis.S - j0);
+            // the query rows [i_begin, i_end) that see keys of this block
+            const int64_t i_begin = std::max<int64_t>(0, vis.first_query(j0));
+            const int64_t i_end = std::min(vis.L, vis.last_query(j0 + width - 1) + 1);
+            if (i_begin >= i_end) continue;
+            P::pack(kt, k, n, hk, vis.k0 + j0, width, cfg.D, true);
+            P::pack(vt, v, n, hk, vis.k0 + j0, width, cfg.Dv, true);
+            if (!delta_pass) {
+              E::pack(kp, k, n, hk, vis.k0 + j0, width, cfg.D, false);
+              dk_acc.setZero(width, cfg.D);
+              dv_acc.setZero(width, cfg.Dv);
             }
-          add_rows(dk, n, hk, vis.k0 + j0, dk_acc.data(), width, cfg.D);
-          add_rows(dv, n, hk, vis.k0 + j0, dv_acc.data(), width, cfg.Dv);
-        }
-        for (int64_t h = 0; h < g; ++h)
-          add_rows(dq, n, hk * g + h, vis.q0, dq_acc.data() + h * vis.L * cfg.D, vis.L, cfg.D);
-      },
-      true);
+            for (int64_t h = hk * g; h < (hk + 1) * g; ++h)
+              for (int64_t i0 = i_begin / kBackwardRows * kBackwardRows; i0 < i_end; i0 += kBackwardRows) {
+                const RowBlock b{n, h, 1, i0, std::min(kBackwardRows, vis.L - i0)};
+                const int64_t rows = b.rows, cols = std::min(width, vis.last_key(i0 + rows - 1) + 1 - j0);
+                const auto q_blk = P::rows(q_buf, q, n, h, vis.q0 + i0, rows, cfg.D);
+                const C* lse = logsumexp + cfg.lse_index(n, h, i0);
+                C* dlt = delta.data() + cfg.lse_index(n, h, i0);
+                // s = softcap(scale * q k^T) + bias;  p = exp(s - lse)
+                if (!score_block<P>(p_blk, delta_pass ? nullptr : &dcap, q_blk, kt, b, cols, cfg, vis, j0)) continue;
+                probs_from_lse(p_blk, lse);
+                // dp_dropped = dout v^T            <- out = p_dropped v
+                const auto do_blk = P::rows(do_buf, dout, n, h, vis.q0 + i0, rows, cfg.Dv);
+                dp_blk.resize(rows, cols);
+                P::product(dp_blk.data(), cols, do_blk, vt, rows, cols, cfg.Dv, C(1), Write::assign);
+                const RowMat<C>* p_used = &p_blk;  // the weights that multiplied v in the forward
+                if (cfg.dropout_p > 0) {
+                  pd_blk = p_blk;
+                  apply_dropout(pd_blk, cfg, b, j0);
+                  apply_dropout(dp_blk, cfg, b, j0);  // dp = dp_dropped * keep / (1 - p)
+                  p_used = &pd_blk;
+                }
+                if (delta_pass) {  // delta += rowsum(p * dp) over this block's keys
+                  for (int64_t r = 0; r < rows; ++r)
+                    for (int64_t c = 0; c < cols; ++c) dlt[r] += p_blk(r, c) * dp_blk(r, c);
+                  continue;
+                }
+                // dv += p_used^T dout
+                P::pack(dop, do_blk, rows, cfg.Dv);
+                P::weights_t_product(dv_acc.data(), cfg.Dv, *p_used, w_buf, dop, cfg.Dv, C(1), Write::accumulate);
+                // ds = p * (dp - delta)            <- p = softmax(s)
+                for (int64_t r = 0; r < rows; ++r) p_blk.row(r).array() *= dp_blk.row(r).array() - dlt[r];
+                // ds_raw = ds * (1 - tanh^2)       <- s = softcap * tanh(s_raw / softcap)
+                if (cfg.softcap > 0) p_blk.array() *= dcap.array();
+                // dq += scale * ds k;  dk += scale * ds^T q   <- s_raw = scale * q k^T
+                E::weights_product(dq_acc.data() + ((h - hk * g) * vis.L + i0) * cfg.D, cfg.D, p_blk, ds_buf, kp,
+                                   cfg.D, cfg.scale, Write::accumulate);
+                E::pack(qp, q, n, h, vis.q0 + i0, rows, cfg.D, false);
+                E::weights_t_product(dk_acc.data(), cfg.D, p_blk, ds_buf, qp, cfg.D, cfg.scale, Write::accumulate);
+              }
+            if (!delta_pass) {
+              add_rows(dk, n, hk, vis.k0 + j0, dk_acc.data(), width, cfg.D);
+              add_rows(dv, n, hk, vis.k0 + j0, dv_acc.data(), width, cfg.Dv);
+            }
+          }
+          if (!delta_pass)
+            for (int64_t h = 0; h < g; ++h)
+              add_rows(dq, n, hk * g + h, vis.q0, dq_acc.data() + h * vis.L * cfg.D, vis.L, cfg.D);
+        },
+        true);
+  };
+  if constexpr (is_half<T>) pass(true);
+  // The sinks' gradient: dsink_h = -sum_(n, i) P_(n,h,i),sink delta_(n,h,i)  <- the sink takes no value
+  if (cfg.sinks && dsinks) {
+    std::vector<C> dsink_nh(cfg.N * cfg.Hq);
+    parallel_for(cfg.N * cfg.Hq, cfg.lse_size(), [&](int64_t nh) {
+      const int64_t n = nh / cfg.Hq, h = nh % cfg.Hq;
+      for (int64_t i = 0; i < cfg.seq(n).L; ++i) {
+        const int64_t idx = cfg.lse_index(n, h, i);
+        if (logsumexp[idx] != neg_inf<C>()) dsink_nh[nh] -= std::exp(cfg.sinks[h] - logsumexp[idx]) * delta[idx];
+      }
+    });
+    for (int64_t nh = 0; nh < cfg.N * cfg.Hq; ++nh) dsinks[nh % cfg.Hq] += dsink_nh[nh];
+  }
+  pass(false);
 }
 
 }  // namespace
@@ -360,6 +388,13 @@ void sdpa_forward(const View4<T>& out, compute_t<T>* logsumexp, const View4<cons
   if constexpr (std::is_same_v<T, bfloat16>)
     if (PairProducts::fit({&q, &k, &v}, {cfg.D, cfg.Dv})) return forward<PairProducts>(out, logsumexp, q, k, v, cfg);
 #endif
+  forward<BlockProducts<T>>(out, logsumexp, q, k, v, cfg);
+}
+
+template <typename T>
+void sdpa_forward_wide_queries(const View4<compute_t<T>>& out, compute_t<T>* logsumexp,
+                               const View4<const compute_t<T>>& q, const View4<const T>& k, const View4<const T>& v,
+                               const AttnConfig<T>& cfg) {
   forward<BlockProducts<T>>(out, logsumexp, q, k, v, cfg);
 }
 
@@ -421,6 +456,9 @@ void sdpa_weights(T* weights, const compute_t<T>* logsumexp, const View4<const T
 #define INSTANTIATE(T)                                                                                         \
   template void sdpa_forward<T>(const View4<T>&, compute_t<T>*, const View4<const T>&, const View4<const T>&, \
                                 const View4<const T>&, const AttnConfig<T>&);                                 \
+  template void sdpa_forward_wide_queries<T>(const View4<compute_t<T>>&, compute_t<T>*,                       \
+                                             const View4<const compute_t<T>>&, const View4<const T>&,          \
+                                             const View4<const T>&, const AttnConfig<T>&);                     \
   template void sdpa_backward<T>(const View4<T>&, const View4<T>&, const View4<T>&, compute_t<T>*,            \
                                  const View4<const T>&, const View4<const T>&, const compute_t<T>*,           \
                                  const View4<const T>&, const View4<const T>&, const View4<const T>&,         \

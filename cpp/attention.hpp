@@ -16,6 +16,13 @@ template <typename T>
 void sdpa_forward(const View4<T>& out, compute_t<T>* logsumexp, const View4<const T>& q, const View4<const T>& k,
                   const View4<const T>& v, const AttnConfig<T>& cfg);
 
+// sdpa_forward with queries and output in T's compute type: float32 queries over a half-precision KV cache (for
+// float and double, sdpa_forward itself).
+template <typename T>
+void sdpa_forward_wide_queries(const View4<compute_t<T>>& out, compute_t<T>* logsumexp,
+                               const View4<const compute_t<T>>& q, const View4<const T>& k, const View4<const T>& v,
+                               const AttnConfig<T>& cfg);
+
 // Gradients of sdpa_forward, accumulated (+=) into dq (N, Hq, L, D), dk (N, Hk, S, D), dv (N, Hk, S, Dv) and,
 // with cfg.sinks and when not null, dsinks (Hq).
 template <typename T>

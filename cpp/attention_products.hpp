@@ -3,9 +3,9 @@
 // - BlockProducts<T>: in T's compute type (float for the halves, read into float as they are packed), on gemm.hpp's
 //   micro-kernel;
 // - PairProducts (the avx512_bf16 level, bfloat16 arrays): on bfloat16 pairs with vdpbf16ps (gemm_bf16.hpp), the
-//   queries, keys, values and output gradients read as they lie, the weights P and their gradient dS rounded to
-//   bfloat16 for their products (as PyTorch's CPU flash attention does in bfloat16). Twice the multiply-adds per
-//   instruction of float's FMA.
+//   queries, keys, values and output gradients read as they lie, the weights P rounded to bfloat16 for their
+//   products (as PyTorch's CPU flash attention does in bfloat16); twice the multiply-adds per instruction of
+//   float's FMA. The products of the scores' gradient dS stay float's (Exact).
 // Each has: Rows, an A operand of rows of an input (a query block, an output-gradient block); Packed, a packed B
 // operand; Buffer, a thread's scratch for either; and the products the attention needs.
 
@@ -29,6 +29,7 @@ namespace attnpp::ATTNPP_CPU_NS {
 template <typename T>
 struct BlockProducts {
   using C = compute_t<T>;
+  using Exact = BlockProducts;  // the products whose operands must not be rounded (dS's): these
   using Packed = PackedB<C>;
   using Buffer = RowMat<C>;
   struct Rows {
@@ -37,11 +38,12 @@ struct BlockProducts {
   };
   static constexpr int64_t kPanel = Packed::kPanel;  // packed columns start at multiples of this
 
-  // Rows [r0, r0 + rows) of head (n, h) of a (each of `cols` elements): the array's own rows for float and
-  // double, a converted copy in buf for the half-precision types.
-  static Rows rows(Buffer& buf, const View4<const T>& a, int64_t n, int64_t h, int64_t r0, int64_t rows,
+  // Rows [r0, r0 + rows) of head (n, h) of a (each of `cols` elements; of T or of the compute type): the array's
+  // own rows in the compute type, a converted copy in buf for the half-precision types.
+  template <typename A>
+  static Rows rows(Buffer& buf, const View4<const A>& a, int64_t n, int64_t h, int64_t r0, int64_t rows,
                    int64_t cols) {
-    if constexpr (is_half<T>) {
+    if constexpr (is_half<A>) {
       buf.resize(rows, cols);
       for (int64_t r = 0; r < rows; ++r) load_n(buf.data() + r * cols, a.at(n, h, r0 + r), cols);
       return {buf.data(), cols};
@@ -108,6 +110,9 @@ struct BlockProducts {
 struct PairProducts {
   using T = bfloat16;
   using C = float;
+  // The gradient of the scores, dS = P (dP - delta), is a difference of nearly equal terms: rounded to bfloat16
+  // it doubled the error of dq and dk against PyTorch's (float) math backend. Its products are float's.
+  using Exact = BlockProducts<bfloat16>;
   using Packed = PackedPairs;
   using Buffer = std::vector<uint32_t>;
   struct Rows {

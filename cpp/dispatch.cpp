@@ -25,15 +25,21 @@ bool cpu_supports(const std::string& level) {
 }
 
 std::vector<CpuLevel> make_levels() {
-  std::vector<CpuLevel> levels{{"default", true, &cpu_default::kernels}};
+  std::vector<CpuLevel> levels{
+      {"default", true, &cpu_default::kernels,
+       "bfloat16 and float16 converted in software, computed in float"}};
 #if defined(ATTNPP_HAS_LEVEL_avx2)
-  levels.push_back({"avx2", cpu_supports("avx2"), &cpu_avx2::kernels});
+  levels.push_back({"avx2", cpu_supports("avx2"), &cpu_avx2::kernels,
+                    "float16 converted with F16C, bfloat16 by shifts, computed in float (AVX2 FMA)"});
 #endif
 #if defined(ATTNPP_HAS_LEVEL_avx512)
-  levels.push_back({"avx512", cpu_supports("avx512"), &cpu_avx512::kernels});
+  levels.push_back({"avx512", cpu_supports("avx512"), &cpu_avx512::kernels,
+                    "float16 converted with F16C, bfloat16 by shifts, computed in float (AVX-512 FMA)"});
 #endif
 #if defined(ATTNPP_HAS_LEVEL_avx512_bf16)
-  levels.push_back({"avx512_bf16", cpu_supports("avx512_bf16"), &cpu_avx512_bf16::kernels});
+  levels.push_back({"avx512_bf16", cpu_supports("avx512_bf16"), &cpu_avx512_bf16::kernels,
+                    "the attention's bfloat16 products on pairs with vdpbf16ps (AVX512_BF16); float16 converted "
+                    "with F16C, computed in float"});
 #endif
   return levels;
 }
@@ -103,6 +109,18 @@ std::atomic<int>& thread_count_setting() {
 
 int thread_count() { return thread_count_setting().load(std::memory_order_relaxed); }
 void set_thread_count(int n) { thread_count_setting() = n; }
+
+std::vector<std::string> cpu_half_features() {
+  std::vector<std::string> found;
+#if defined(__x86_64__) || defined(_M_X64)
+  __builtin_cpu_init();
+  if (__builtin_cpu_supports("f16c")) found.push_back("F16C");
+  if (__builtin_cpu_supports("avx512bf16")) found.push_back("AVX512_BF16");
+  if (__builtin_cpu_supports("avx512fp16")) found.push_back("AVX512_FP16");
+  if (__builtin_cpu_supports("amx-bf16")) found.push_back("AMX-BF16");
+#endif
+  return found;
+}
 
 const char* build_compiler() { return ATTNPP_COMPILER; }
 const char* build_flags() { return ATTNPP_BUILD_FLAGS; }

@@ -1,5 +1,6 @@
 // Embedding lookup, as torch.nn.Embedding.
 #include <algorithm>
+#include <vector>
 
 #include "training.hpp"
 
@@ -15,13 +16,22 @@ void embedding_forward(T* out, const int64_t* index, const T* weight, int64_t N,
 template <typename T>
 void embedding_backward(T* dweight, const T* dout, const int64_t* index, int64_t N, int64_t E) {
   // dweight[index[i]] += dout[i]     <- out[i] = weight[index[i]]
-  // Sequential over i: repeated indices add into the same row, in a fixed order (in half precision each sum is
-  // rounded, as PyTorch's index_add_ on a half-precision gradient does).
-  for (int64_t i = 0; i < N; ++i)
-    for (int64_t e = 0; e < E; ++e) {
-      T& d = dweight[index[i] * E + e];
-      d = store<T>(load(d) + load(dout[i * E + e]));
-    }
+  // Repeated indices add into the same row in a fixed order, i ascending: the rows of each index, gathered by a
+  // stable sort, are summed into the row in the compute type and written once (rounded once in half precision).
+  std::vector<int64_t> order(N);
+  for (int64_t i = 0; i < N; ++i) order[i] = i;
+  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return index[a] < index[b]; });
+  std::vector<compute_t<T>> row(E);
+  for (int64_t first = 0; first < N;) {
+    const int64_t target = index[order[first]];
+    T* d = dweight + target * E;
+    load_n(row.data(), d, E);
+    int64_t i = first;
+    for (; i < N && index[order[i]] == target; ++i)
+      for (int64_t e = 0; e < E; ++e) row[e] += load(dout[order[i] * E + e]);
+    store_n(d, row.data(), E);
+    first = i;
+  }
 }
 
 #define INSTANTIATE(T)                                                                      \

@@ -1,6 +1,7 @@
 // The table of one CPU level's kernels, and the level in use.
 //
-// CMakeLists.txt compiles the kernel files once per level the architecture has (default, avx2, avx512 on x86-64;
+// CMakeLists.txt compiles the kernel files once per level the architecture has (default, avx2, avx512,
+// avx512_bf16 on x86-64;
 // default alone elsewhere), each into its own namespace (attnpp::cpu_avx2, ...), and kernels.cpp gathers each
 // level's entry points into its `kernels` table. dispatch.cpp picks one table at import; the bindings call
 // through it. What the kernels compute is documented where they are declared (attention.hpp, linear.hpp,
@@ -19,6 +20,8 @@ struct Kernels {
   using C = compute_t<T>;  // the log-sum-exp, the slopes and the sinks are in the compute type
   void (*sdpa_forward)(const View4<T>& out, C* logsumexp, const View4<const T>& q, const View4<const T>& k,
                        const View4<const T>& v, const AttnConfig<T>& cfg);
+  void (*sdpa_forward_wide_queries)(const View4<C>& out, C* logsumexp, const View4<const C>& q,
+                                    const View4<const T>& k, const View4<const T>& v, const AttnConfig<T>& cfg);
   void (*sdpa_backward)(const View4<T>& dq, const View4<T>& dk, const View4<T>& dv, C* dsinks,
                         const View4<const T>& dout, const View4<const T>& out, const C* logsumexp, const View4<const T>& q,
                         const View4<const T>& k, const View4<const T>& v, const AttnConfig<T>& cfg);
@@ -68,16 +71,18 @@ namespace cpu_avx512 { extern const KernelSet kernels; }
 namespace cpu_avx512_bf16 { extern const KernelSet kernels; }
 #endif
 
-// The level's name ("default", "avx2", "avx512"), whether this CPU can run it, and its table.
+// The level's name ("default", "avx2", "avx512", "avx512_bf16"), whether this CPU can run it, its table, and
+// how its kernels compute in half precision.
 struct CpuLevel {
   const char* name;
   bool supported;
   const KernelSet* kernels;
+  const char* half_precision;
 };
 // The levels this build holds, lowest first.
 const std::vector<CpuLevel>& cpu_levels();
 
-// Picks the level: the best one the CPU supports, or `forced` ("default", "avx2", "avx512"; "" = automatic).
+// Picks the level: the best one the CPU supports, or `forced` (a level's name; "" = automatic).
 // std::invalid_argument for an unknown name, std::runtime_error for a level above what the CPU has.
 void select_cpu_level(const std::string& forced);
 // The level picked (select_cpu_level) and its kernels.
@@ -88,5 +93,7 @@ const Kernels<T>& kernels();
 // How _core was built: the compiler, the flags of each level.
 const char* build_compiler();
 const char* build_flags();
+// The half-precision extensions this CPU has, among F16C, AVX512_BF16, AVX512_FP16 and AMX-BF16 (x86-64).
+std::vector<std::string> cpu_half_features();
 
 }  // namespace attnpp

@@ -1756,6 +1756,8 @@ ATTENTION_BAD = [
      TypeError, ["x", "float32", "float64"]),
     ("kv_cache_dtype", CAUSAL, None, lambda a: a(AX, kv_cache=KVCache(2, 2, 4, 3)), ValueError,
      ["kv_cache", "float64", "float32", "init_kv_cache"]),
+    ("kv_cache_half_under_float64", CAUSAL, None, lambda a: a.init_kv_cache(2, 4, dtype=np.float16), TypeError,
+     ["dtype", "float64", "float16"]),
     ("kv_cache_heads", CAUSAL, None, lambda a: a(AX, kv_cache=KVCache(2, 3, 4, 2, dtype=np.float64)), ValueError,
      ["kv_cache", "(2, 2, 4, 3)", "(2, 3, 4, 2)"]),
     ("kv_cache_full", CAUSAL, None, lambda a: a(AX, kv_cache=_filled_cache(a, 2)), ValueError,

@@ -67,8 +67,16 @@ def test_quick_run_prints_a_ratio_for_every_case(quick):
         else:
             assert RATIO.match(rows[name][3]), f"no ratio in the row of {name!r}: {rows[name]}"
     assert re.search(r"attnpp temporaries -?\d+\.\d+ MiB|n/a", quick)
-    assert sum(n.startswith(("window", "decode", "varlen")) for n in names) == 7
-    assert "targets: not judged at --quick sizes (7 cases have one at full size)" in quick.splitlines()
+    assert sum(n.startswith(("window", "decode", "varlen")) for n in names) == 9  # (decode in 3 dtypes)
+    # issue 14's 7 targets, issue 21's: the 2 kernel cases x fwd, fwd+bwd x bfloat16, float16, and the decode step
+    assert "targets: not judged at --quick sizes (16 cases have one at full size)" in quick.splitlines()
+    for dtype in ("bfloat16", "float16"):
+        assert sum(n.startswith("sdpa") and n.endswith(dtype) for n in names) == 4, names
+        assert RATIO.match(rows[f"decode fwd (2,4,1,16) GQA 2 kv heads, cache 64+1 {dtype}"][3])
+    assert re.search(r"^bfloat16 GEMM 256x256 @ 256x256 through torch.mm: \d+\.\d GFLOP/s \| attnpp sdpa fwd "
+                     r"bfloat16 over 2 cases: best \d+\.\d GFLOP/s = \d+% of it", quick, re.MULTILINE), quick
+    assert re.search(r"^memory \(1,2,256,16\) causal fwd\+bwd bfloat16: attnpp grew \d+\.\d MiB, \d+% of its "
+                     r"float32 figure", quick, re.MULTILINE), quick
 
 
 def test_header_names_the_cpu_level_of_each_library(quick):
@@ -76,7 +84,7 @@ def test_header_names_the_cpu_level_of_each_library(quick):
     levels = LEVEL.findall(quick)
     assert len(levels) == 1, quick
     assert levels[0][:2] == (attnpp.cpu_capability(), torch.backends.cpu.get_cpu_capability())
-    assert levels[0][0] in ("default", "avx2", "avx512")
+    assert levels[0][0] in ("default", "avx2", "avx512", "avx512_bf16")
 
 
 def test_sgemm_line_sets_the_attention_forward_against_the_sgemm_rate(quick):

@@ -221,7 +221,8 @@ def test_half_precision(dtype):
     """Half-precision tensors are read in place (no copy), and attnpp's output and gradients are no further from
     a float64 reference than PyTorch's own in the same dtype (1.5 times its error at most, or one rounding)."""
     x = torch.randn(2, 3, 5, 8, dtype=dtype)
-    assert at._numpy(x).ctypes.data == x.data_ptr() and at._numpy(x).dtype.itemsize == 2
+    assert at.to_numpy(x).ctypes.data == x.data_ptr() and at.to_numpy(x).dtype.itemsize == 2
+    assert at.from_numpy(at.to_numpy(x)).data_ptr() == x.data_ptr() and at.from_numpy(at.to_numpy(x)).dtype == dtype
     gen = torch.Generator().manual_seed(0)
     q, k, v, g = (torch.randn(2, 3, 40, 16, generator=gen).to(dtype) for _ in range(4))
     unit = 2.0 ** -8 if dtype == torch.bfloat16 else 2.0 ** -11

@@ -24,19 +24,30 @@ namespace {
 constexpr int64_t kMaxThreads = 256;  // set_num_threads' bound: far more makes libgomp fail to start them
 
 // ------------------------------------------------------------------------------------------------- attention
+// The dtype of key and value (T) decides; query and out are of T, or float32 over a half-precision key and value
+// (a KV cache in half precision with float32 queries).
 void sdpa_forward(const py::array& out, const py::array& logsumexp, const py::array& query, const py::array& key,
                   const py::array& value, const AttentionParams& params) {
-  dispatch(query, "query", [&](auto t) {
+  dispatch(key, "key", [&](auto t) {
     using T = typename decltype(t)::type;
-    const auto q = view4<T, const T>(query, "query", false), k = view4<T, const T>(key, "key", false);
-    const auto v = view4<T, const T>(value, "value", false);
+    using C = compute_t<T>;
+    const auto k = view4<T, const T>(key, "key", false), v = view4<T, const T>(value, "value", false);
     const Problem<T> p(query, key, value.shape(3), params);
     const int64_t N = query.shape(0), Hq = query.shape(1), L = query.shape(2), Dv = value.shape(3);
     expect_shape(value, "value", {N, key.shape(1), key.shape(2), Dv});
     expect_shape(out, "out", {N, Hq, L, Dv});
     expect_shape(logsumexp, "logsumexp", {N, Hq, L});
+    auto* lse = contiguous_ptr<C>(logsumexp, "logsumexp", true);
+    if (is_half<T> && query.dtype().equal(dtype_of<C>())) {
+      const auto q = view4<C, const C>(query, "query", false);
+      const auto o = view4<C, C>(out, "out", true);
+      py::gil_scoped_release release;
+      kernels<T>().sdpa_forward_wide_queries(p.rows_of(o, true), lse, p.rows_of(q, true), p.rows_of(k, false),
+                                             p.rows_of(v, false), p.cfg);
+      return;
+    }
+    const auto q = view4<T, const T>(query, "query", false);
     const auto o = view4<T, T>(out, "out", true);
-    auto* lse = contiguous_ptr<compute_t<T>>(logsumexp, "logsumexp", true);
     py::gil_scoped_release release;
     kernels<T>().sdpa_forward(p.rows_of(o, true), lse, p.rows_of(q, true), p.rows_of(k, false),
                               p.rows_of(v, false), p.cfg);
@@ -352,6 +363,8 @@ py::dict build_config() {
   config["eigen"] = std::to_string(EIGEN_WORLD_VERSION) + "." + std::to_string(EIGEN_MAJOR_VERSION) + "." +
                     std::to_string(EIGEN_MINOR_VERSION);
   config["openmp"] = _OPENMP;
+  config["half_precision"] = cpu_level().half_precision;
+  config["cpu_half_features"] = cpu_half_features();
   return config;
 }
 
@@ -407,7 +420,8 @@ PYBIND11_MODULE(_core, m) {
 
   m.def("sdpa_forward", &sdpa_forward,
         "Attention forward into out (N, Hq, L, Dv) and logsumexp (N, Hq, L), of query (N, Hq, L, D), key (N, Hk, "
-        "S, D), value (N, Hk, S, Dv), all float32 or all float64, last dimensions contiguous.",
+        "S, D), value (N, Hk, S, Dv), all of one dtype (query and out may be float32 with half-precision key and "
+        "value; logsumexp in the compute dtype), last dimensions contiguous.",
         py::arg("out"), py::arg("logsumexp"), py::arg("query"), py::arg("key"), py::arg("value"), py::arg("params"));
   m.def("sdpa_backward", &sdpa_backward,
         "Attention backward: adds the gradients into grad_query (N, Hq, L, D), grad_key (N, Hk, S, D), grad_value "
@@ -479,7 +493,10 @@ PYBIND11_MODULE(_core, m) {
         py::arg("n"));
   m.def("get_num_threads", &thread_count, "The number of OpenMP threads the kernels use.");
   m.def("cpu_capability", &cpu_capability,
-        "The CPU level the kernels run at: 'default', 'avx2' or 'avx512' (the last two on x86-64 only).");
+        "The CPU level the kernels run at: 'default', 'avx2', 'avx512' or 'avx512_bf16' (all but the first on "
+        "x86-64 only).");
   m.def("build_config", &build_config,
-        "The build: dict of cpu_capability, levels_built, levels_supported, compiler, flags, eigen, openmp.");
+        "The build: dict of cpu_capability, levels_built, levels_supported, compiler, flags, eigen, openmp, "
+        "half_precision (how the level computes in it), cpu_half_features (F16C, AVX512_BF16, AVX512_FP16, "
+        "AMX-BF16 when the CPU has them).");
 }

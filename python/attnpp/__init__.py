@@ -27,13 +27,15 @@ def set_num_threads(n):
 
 
 def cpu_capability():
-    """The CPU level whose kernels run: ``"default"``, ``"avx2"`` or ``"avx512"`` (x86-64); ``"default"`` elsewhere.
+    """The CPU level whose kernels run: ``"default"``, ``"avx2"``, ``"avx512"`` or ``"avx512_bf16"`` (x86-64);
+    ``"default"`` elsewhere.
 
     attnpp's kernels are compiled once per level and the best one the CPU supports is picked at import, as
     PyTorch's ``CPU_CAPABILITY`` and NumPy's dispatch do: ``default`` is the x86-64 baseline (SSE2), ``avx2``
-    x86-64-v3 (AVX2, FMA), ``avx512`` x86-64-v4 (AVX-512 F, BW, CD, DQ, VL); on other architectures, their
-    baseline (NEON on aarch64). The environment variable ``ATTNPP_CPU_CAPABILITY=default|avx2|avx512``, read at
-    import, forces a level; one the CPU cannot run makes ``import attnpp`` raise ImportError. Results differ
+    x86-64-v3 (AVX2, FMA, F16C), ``avx512`` x86-64-v4 (AVX-512 F, BW, CD, DQ, VL), ``avx512_bf16`` that and
+    AVX512_BF16 (bfloat16 attention products with ``vdpbf16ps``: Intel Cooper Lake and Sapphire Rapids on, AMD Zen
+    4 on); on other architectures, their baseline (NEON on aarch64). The environment variable
+    ``ATTNPP_CPU_CAPABILITY=default|avx2|avx512|avx512_bf16``, read at import, forces a level; one the CPU cannot run makes ``import attnpp`` raise ImportError. Results differ
     between levels in the last bits (another order of sums, fused multiply-adds), never between thread counts.
     """
     return _core.cpu_capability()
@@ -41,12 +43,14 @@ def cpu_capability():
 
 def show_config(mode="stdout"):
     """How attnpp was built and what it runs with: the CPU level in use, the levels built and those this CPU
-    supports, the compiler and its flags per level, the Eigen and OpenMP versions, the thread count.
+    supports, how the level computes in half precision and the CPU's half-precision extensions, the compiler and
+    its flags per level, the Eigen and OpenMP versions, the thread count.
 
     Args:
         mode (str): ``"stdout"`` (default) prints them; ``"dicts"`` returns them as a dict, as
             ``numpy.show_config`` does (keys ``cpu_capability``, ``levels_built``, ``levels_supported``,
-            ``compiler``, ``flags``, ``eigen``, ``openmp``, ``threads``).
+            ``half_precision``, ``cpu_half_features`` (among F16C, AVX512_BF16, AVX512_FP16, AMX-BF16; attnpp uses
+            the first two), ``compiler``, ``flags``, ``eigen``, ``openmp``, ``threads``).
 
     Raises:
         ValueError: another ``mode``.
@@ -59,6 +63,8 @@ def show_config(mode="stdout"):
     print(f"attnpp {__version__}")
     print(f"  cpu_capability: {config['cpu_capability']} (built: {', '.join(config['levels_built'])}; this CPU "
           f"supports: {', '.join(config['levels_supported'])}; ATTNPP_CPU_CAPABILITY forces one)")
+    print(f"  half_precision: {config['half_precision']} (this CPU has: "
+          f"{', '.join(config['cpu_half_features']) or 'none of F16C, AVX512_BF16, AVX512_FP16, AMX-BF16'})")
     for key in ("compiler", "flags", "eigen", "openmp", "threads"):
         print(f"  {key}: {config[key]}")
 

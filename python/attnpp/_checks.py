@@ -120,7 +120,7 @@ def check_alibi_slopes(slopes, batch, Hq, dtype):
     """ALiBi slopes broadcast to (B..., Hq), as the core's (N or 1, Hq) array of ``dtype``'s compute dtype."""
     dtype = compute_dtype(dtype)
     slopes = as_ndarray(slopes, "alibi_slopes")
-    if slopes.dtype.kind != "f":
+    if slopes.dtype.kind != "f" and slopes.dtype not in FLOATS:
         raise TypeError(f"alibi_slopes: expected a float array, got dtype {slopes.dtype}")
     full = tuple(batch) + (Hq,)
     if slopes.ndim == 0 or slopes.shape[-1] != Hq or np.broadcast_shapes(slopes.shape, full) != full:

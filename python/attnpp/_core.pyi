@@ -2,7 +2,9 @@
 
 Kept in step with the binding by tests/test_core_stubs.py (argument names, defaults, functions both ways).
 The kernels write their results into the output arrays passed first; the backward functions add into theirs.
-Float arrays are all float32 or all float64 within a call; index arrays are C-contiguous int64.
+Float arrays are all of one dtype within a call, float32, float64, float16 or bfloat16 (ml_dtypes), but for the
+log-sum-exp, slopes, sinks and cross-entropy statistics, which are float32 for the half-precision dtypes (their
+compute dtype); index arrays are C-contiguous int64.
 """
 
 from typing import Any, Dict, List, Optional, Sequence, Union
@@ -10,14 +12,17 @@ from typing import Any, Dict, List, Optional, Sequence, Union
 import numpy as np
 import numpy.typing as npt
 
-_FloatArray = Union[npt.NDArray[np.float32], npt.NDArray[np.float64]]
+_FloatArray = Union[npt.NDArray[np.float32], npt.NDArray[np.float64], npt.NDArray[np.float16], npt.NDArray[Any]]
 _IndexArray = npt.NDArray[np.int64]
 
 def cpu_capability() -> str:
-    """The CPU level the kernels run at: 'default', 'avx2' or 'avx512' (the last two on x86-64 only)."""
+    """The CPU level the kernels run at: 'default', 'avx2', 'avx512' or 'avx512_bf16' (all but the first on
+    x86-64 only)."""
 
 def build_config() -> Dict[str, Any]:
-    """The build: dict of cpu_capability, levels_built, levels_supported, compiler, flags, eigen, openmp."""
+    """The build: dict of cpu_capability, levels_built, levels_supported, compiler, flags, eigen, openmp,
+    half_precision (how the level computes in it), cpu_half_features (F16C, AVX512_BF16, AVX512_FP16, AMX-BF16 when
+    the CPU has them)."""
 
 def set_num_threads(n: int) -> None:
     """Set the number of OpenMP threads the kernels use, n in [1, 256]."""

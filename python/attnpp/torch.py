@@ -10,6 +10,8 @@ and the results are wrapped without a copy either. Double backward is not suppor
 - ``MultiheadAttention``: as ``torch.nn.MultiheadAttention`` (its subclass: same parameters, state dict and
   initialisation), attnpp's compute.
 - ``Attention``: ``attnpp.nn.Attention`` with torch parameters.
+- ``from_numpy``, ``to_numpy``: ``torch.from_numpy`` and ``Tensor.numpy`` (no copy) for every dtype attnpp takes,
+  bfloat16 included (NumPy's bfloat16 is ``ml_dtypes.bfloat16``).
 
 Shape letters: B... batch dimensions, H heads (Hq of the query, Hk of key and value), L query length, S key/value
 length, D query/key head width, Dv value head width, E embedding width.
@@ -42,7 +44,8 @@ from . import functional as AF
 from ._checks import BFLOAT16, bfloat16_tensor_as_ndarray, check_attention_layer_shapes, check_probability
 from .nn.attention import attention_config_of, rotary_tables, variant_args
 
-__all__ = ["scaled_dot_product_attention", "linear", "Linear", "MultiheadAttention", "Attention"]
+__all__ = ["scaled_dot_product_attention", "linear", "Linear", "MultiheadAttention", "Attention", "from_numpy",
+           "to_numpy"]
 
 _FLOATS = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 _FLOAT_NAMES = "float32, float64, float16 or bfloat16"
@@ -70,19 +73,20 @@ def _check_dtype(dtype):
     return dtype
 
 
-def _numpy(t):
-    """The NumPy view of a checked CPU tensor, no copy (None stays None)."""
-    if t is None:
+def to_numpy(tensor):
+    """The NumPy array sharing the memory of a CPU tensor (detached), as ``tensor.detach().numpy()``, which also
+    takes torch.bfloat16 (as an array of ``ml_dtypes.bfloat16``, which NumPy lacks). None stays None."""
+    if tensor is None:
         return None
-    return bfloat16_tensor_as_ndarray(t.detach()) if t.dtype == torch.bfloat16 else t.detach().numpy()
+    return bfloat16_tensor_as_ndarray(tensor.detach()) if tensor.dtype == torch.bfloat16 else tensor.detach().numpy()
 
 
-def _tensor(a):
-    """A tensor sharing the memory of the ndarray ``a`` (``torch.from_numpy``; an ml_dtypes bfloat16 array as a
-    torch.bfloat16 tensor)."""
-    if a.dtype == BFLOAT16:
-        return torch.from_numpy(a.view(np.uint16)).view(torch.bfloat16)
-    return torch.from_numpy(a)
+def from_numpy(array):
+    """The tensor sharing the memory of an ndarray, as ``torch.from_numpy``, which also takes arrays of
+    ``ml_dtypes.bfloat16`` (as torch.bfloat16)."""
+    if array.dtype == BFLOAT16:
+        return torch.from_numpy(array.view(np.uint16)).view(torch.bfloat16)
+    return torch.from_numpy(array)
 
 
 def _draw_seed():
@@ -97,7 +101,7 @@ class _LinearFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, input, weight, bias):
         ctx.save_for_backward(input, weight, bias)
-        return _tensor(AF.linear(_numpy(input), _numpy(weight), _numpy(bias)))
+        return from_numpy(AF.linear(to_numpy(input), to_numpy(weight), to_numpy(bias)))
 
     @staticmethod
     @once_differentiable
@@ -107,9 +111,9 @@ class _LinearFunction(torch.autograd.Function):
         # linear_backward accumulates into these (the weight's is computed even when not needed)
         grad_weight = torch.zeros(weight.shape, dtype=weight.dtype)
         grad_bias = torch.zeros(bias.shape, dtype=bias.dtype) if need_bias else None
-        grad_input = AF.linear_backward(_numpy(grad_output), _numpy(input), _numpy(weight), _numpy(grad_weight),
-                                        _numpy(grad_bias), need_input_grad=need_input)
-        return (None if grad_input is None else _tensor(grad_input),
+        grad_input = AF.linear_backward(to_numpy(grad_output), to_numpy(input), to_numpy(weight), to_numpy(grad_weight),
+                                        to_numpy(grad_bias), need_input_grad=need_input)
+        return (None if grad_input is None else from_numpy(grad_input),
                 grad_weight if need_weight else None, grad_bias)
 
 
@@ -123,9 +127,9 @@ class _AttentionFunction(torch.autograd.Function):
                 causal_alignment, options):
         args = (dropout_p, is_causal, scale, enable_gqa)
         output, lse, _ = AF.scaled_dot_product_attention_forward(
-            *map(_numpy, (query, key, value, attn_mask)), *args, seed=seed, causal_alignment=causal_alignment,
-            sinks=_numpy(sinks), **options)
-        output, lse = _tensor(output), _tensor(lse)
+            *map(to_numpy, (query, key, value, attn_mask)), *args, seed=seed, causal_alignment=causal_alignment,
+            sinks=to_numpy(sinks), **options)
+        output, lse = from_numpy(output), from_numpy(lse)
         ctx.save_for_backward(query, key, value, attn_mask, sinks, output, lse)
         ctx.args, ctx.seed, ctx.causal_alignment, ctx.options = args, seed, causal_alignment, options
         ctx.mark_non_differentiable(lse)
@@ -140,10 +144,10 @@ class _AttentionFunction(torch.autograd.Function):
         if not (any(needs[:3]) or needs[4]):
             return (None,) * 5 + nones
         grads = AF.scaled_dot_product_attention_backward(
-            *map(_numpy, (grad_output, query, key, value, output, lse, attn_mask)), *ctx.args, seed=ctx.seed,
-            causal_alignment=ctx.causal_alignment, sinks=_numpy(sinks), **ctx.options)
-        grad_sinks = _tensor(grads[3]) if needs[4] else None
-        grads = [_tensor(g) if need else None for g, need in zip(grads[:3], needs[:3])]
+            *map(to_numpy, (grad_output, query, key, value, output, lse, attn_mask)), *ctx.args, seed=ctx.seed,
+            causal_alignment=ctx.causal_alignment, sinks=to_numpy(sinks), **ctx.options)
+        grad_sinks = from_numpy(grads[3]) if needs[4] else None
+        grads = [from_numpy(g) if need else None for g, need in zip(grads[:3], needs[:3])]
         return (*grads, None, grad_sinks) + nones
 
 
@@ -153,13 +157,13 @@ class _RotaryFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, input, cos, sin, interleaved):
         ctx.tables, ctx.interleaved = (cos, sin), interleaved
-        return _tensor(AF.rotary_embedding(_numpy(input), cos, sin, interleaved=interleaved))
+        return from_numpy(AF.rotary_embedding(to_numpy(input), cos, sin, interleaved=interleaved))
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_output):
-        grad = AF.rotary_embedding_backward(_numpy(grad_output), *ctx.tables, interleaved=ctx.interleaved)
-        return _tensor(grad), None, None, None
+        grad = AF.rotary_embedding_backward(to_numpy(grad_output), *ctx.tables, interleaved=ctx.interleaved)
+        return from_numpy(grad), None, None, None
 
 
 def _attention(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, seed, causal_alignment,
@@ -172,7 +176,7 @@ def _attention(query, key, value, attn_mask, dropout_p, is_causal, scale, enable
     if sinks is not None:
         _check_tensor(sinks, "sinks")
     if isinstance(alibi_slopes, torch.Tensor):  # (slopes are constants: no gradient)
-        alibi_slopes = _numpy(_check_tensor(alibi_slopes, "alibi_slopes"))
+        alibi_slopes = to_numpy(_check_tensor(alibi_slopes, "alibi_slopes"))
     options = dict(window=window, alibi_slopes=alibi_slopes, softcap=softcap)
     if check_probability(dropout_p, "dropout_p") > 0 and seed is None:
         seed = _draw_seed()
@@ -180,9 +184,9 @@ def _attention(query, key, value, attn_mask, dropout_p, is_causal, scale, enable
                                            enable_gqa, seed, causal_alignment, options)
     weights = None
     if need_weights:
-        weights = _tensor(AF.scaled_dot_product_attention_weights(
-            _numpy(query), _numpy(key), _numpy(attn_mask), dropout_p, is_causal, scale, enable_gqa, seed=seed,
-            causal_alignment=causal_alignment, logsumexp=_numpy(lse), sinks=_numpy(sinks), **options))
+        weights = from_numpy(AF.scaled_dot_product_attention_weights(
+            to_numpy(query), to_numpy(key), to_numpy(attn_mask), dropout_p, is_causal, scale, enable_gqa, seed=seed,
+            causal_alignment=causal_alignment, logsumexp=to_numpy(lse), sinks=to_numpy(sinks), **options))
     return output, weights, seed if dropout_p > 0 else None
 
 
@@ -502,7 +506,7 @@ class Attention(torch.nn.Module):
         heads = lambda t: t.unflatten(-1, (self.num_heads, -1)).transpose(1, 2)  # (B, T, H * d) -> (B, H, T, d)
         q, k, v = heads(self.q_proj(x3)), heads(self.k_proj(c3)), heads(self.v_proj(c3))
         if self.rotary:
-            q, k = (_RotaryFunction.apply(t, *rotary_tables(self, t.shape[2], _numpy(t).dtype),
+            q, k = (_RotaryFunction.apply(t, *rotary_tables(self, t.shape[2], to_numpy(t).dtype),
                                           self.rotary_interleaved) for t in (q, k))
         mask, causal = None, self.causal
         if key_padding_mask is not None:

@@ -449,21 +449,27 @@ class Attention(Module):
         return out, (weights if batched else weights[0])
 
     # ---------------------------------------------------------------------------------------- KV-cache decoding
-    def init_kv_cache(self, batch_size, max_length):
+    def init_kv_cache(self, batch_size, max_length, dtype=None):
         """An empty ``KVCache`` for decoding ``batch_size`` sequences of up to ``max_length`` tokens with this
         layer (``forward(x, kv_cache=cache)``): keys (B, H, max_length, qk_dim / H), values (B, H, max_length,
-        v_dim / H), lengths (B,) zeros, in the layer's dtype.
+        v_dim / H), lengths (B,) zeros, in ``dtype``: the layer's (default), or float16 or bfloat16 under a
+        float32 layer (half the memory and half the bytes a decoding step reads; the new keys and values are
+        rounded into it, the attention computed in float32).
 
         Raises:
             ValueError: a layer that is not causal self-attention (causal=True, kv_dim == embed_dim), sizes below
-            1, max_length above context_length. TypeError: sizes that are not ints.
+            1, max_length above context_length. TypeError: sizes that are not ints, another dtype.
         """
         self._check_decoding()
         max_length = checks.check_int(max_length, "max_length", 1)
         if self.context_length is not None and max_length > self.context_length:
             raise ValueError(f"max_length={max_length} exceeds the layer's context_length={self.context_length}")
         H = self.num_heads
-        return KVCache(batch_size, H, max_length, self.qk_dim // H, self.v_dim // H, dtype=self.dtype)
+        dtype = self.dtype if dtype is None else checks.check_dtype(dtype)
+        if dtype != self.dtype and not (dtype in checks.HALVES and self.dtype == np.float32):
+            raise TypeError(f"dtype: expected the layer's {self.dtype}, or float16 or bfloat16 under a float32 "
+                            f"layer, got {dtype}")
+        return KVCache(batch_size, H, max_length, self.qk_dim // H, self.v_dim // H, dtype=dtype)
 
     def _check_decoding(self):
         if not self.causal or self.kv_dim != self.embed_dim:
@@ -491,10 +497,12 @@ class Attention(Module):
             raise ValueError(f"x: expected (B, L_new, embed_dim) = ({cache.batch_size}, L_new, {self.embed_dim}) "
                              f"(the cache's batch size), got {x.shape}")
         want = ((B, H, cache.max_length, self.qk_dim // H), (B, H, cache.max_length, self.v_dim // H))
-        if (cache.key.shape, cache.value.shape) != want or cache.dtype != self.dtype:
+        fits = cache.dtype == self.dtype or (cache.dtype in checks.HALVES and self.dtype == np.float32)
+        if (cache.key.shape, cache.value.shape) != want or not fits:
             raise ValueError(f"kv_cache: expected key {want[0]} and value {want[1]} of {np.dtype(self.dtype)} "
-                             f"(this layer's heads and widths), got key {cache.key.shape} and value "
-                             f"{cache.value.shape} of {cache.dtype}: make it with init_kv_cache")
+                             f"(this layer's heads and widths; or of a half-precision dtype under a float32 layer), "
+                             f"got key {cache.key.shape} and value {cache.value.shape} of {cache.dtype}: make it "
+                             f"with init_kv_cache")
         lengths = cache.lengths
         if not isinstance(lengths, np.ndarray) or lengths.dtype != np.int64 or lengths.shape != (B,):
             raise ValueError(f"kv_cache.lengths: expected an int64 array ({B},)")

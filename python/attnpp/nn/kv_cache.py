@@ -26,7 +26,7 @@ class KVCache:
             ``layer(x, kv_cache=cache)`` adds x's length L_new to every entry.
 
     Raises:
-        TypeError/ValueError: sizes that are not ints >= 1 (dimensions >= 0), another dtype than float32/float64.
+        TypeError/ValueError: sizes that are not ints >= 1 (dimensions >= 0), another dtype.
     """
 
     def __init__(self, batch_size, num_heads, max_length, head_dim, v_head_dim=None, dtype=None):
