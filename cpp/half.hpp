@@ -26,6 +26,10 @@ struct float16 {
   uint16_t bits;
 };
 
+// Bitwise equality (tests compare results bit for bit).
+inline bool operator==(bfloat16 a, bfloat16 b) { return a.bits == b.bits; }
+inline bool operator==(float16 a, float16 b) { return a.bits == b.bits; }
+
 template <typename T>
 struct compute_type {
   using type = T;

@@ -7,8 +7,9 @@
 #   a. tests/cpp/test_kernels.cpp + the kernel sources, cross-compiled for aarch64 (its one level, "default":
 #      the baseline, NEON), run under qemu-aarch64.
 #   b. the same test built natively once per x86-64 level (default -march=x86-64, avx2 -march=x86-64-v3,
-#      avx512 -march=x86-64-v4, each in its namespace cpu_<level>), each run if this CPU has the level; the
-#      default level's binary also under qemu-x86_64 -cpu Nehalem (SSE4.2, no AVX).
+#      avx512 -march=x86-64-v4, avx512_bf16 -march=x86-64-v4 -mavx512bf16, each in its namespace cpu_<level>),
+#      each run if this CPU has the level; the default level's binary also under qemu-x86_64 -cpu Nehalem (SSE4.2,
+#      no AVX). Each checks float32, float64, bfloat16 and float16.
 #   c. the INSTALLED attnpp package (pip install . first; this script never installs it) under
 #      qemu-x86_64 -cpu Nehalem: tools/nehalem_check.py.
 #
@@ -18,7 +19,7 @@
 #   KEEP=1          keep the temporary directory (binaries, build and run logs) even when everything passed
 #
 # Installs only what is missing: the Debian packages qemu-user and g++-aarch64-linux-gnu, and cmeel-eigen (pip).
-# Takes about 2 minutes on 2 cores, most of it compiling (4 builds of the kernels, ~30 s of one core each).
+# Takes about 3 minutes on 2 cores, most of it compiling (5 builds of the kernels, ~60 s of one core each).
 # Exit status: 0 only if every part that ran passed (a level this CPU lacks is skipped with a note).
 set -euo pipefail
 start=$SECONDS
@@ -50,7 +51,7 @@ eigen_dir() {
 eigen=$(eigen_dir) || { "$PY" -m pip install -q cmeel-eigen && eigen=$(eigen_dir); } \
     || { echo "cross_check.sh: no Eigen (cmeel-eigen)" >&2; exit 2; }
 
-# ---- builds: all four at once in the background (each compiles its files one by one) ----------------------
+# ---- builds: all five at once in the background (each compiles its files one by one) ----------------------
 # The flags of CMakeLists.txt's kernels (ATTNPP_FLAGS, ATTNPP_DEFINITIONS) plus the level's -march. No dispatch.cpp:
 # the test defines thread_count() itself (dispatch.cpp's level table needs the default level linked in too).
 # buffer_pool.cpp: the packed operands of the products come from it.
@@ -63,21 +64,23 @@ build() {  # build NAME COMPILER FLAGS...: the binary $work/NAME, its compiler o
     "$cxx" "${flags[@]}" "$@" "${sources[@]}" -o "$work/$name" >"$work/$name.build.log" 2>&1 &
     pid[$name]=$!
 }
-echo "cross_check.sh: building the test 4 times (aarch64, x86-64 default/avx2/avx512) in $work"
+echo "cross_check.sh: building the test 5 times (aarch64, x86-64 default/avx2/avx512/avx512_bf16) in $work"
 build aarch64 aarch64-linux-gnu-g++ -DATTNPP_CPU_NS=cpu_default  # no -march: the aarch64 baseline has NEON
 build default g++ -march=x86-64 -DATTNPP_CPU_NS=cpu_default
 build avx2 g++ -march=x86-64-v3 -DATTNPP_CPU_NS=cpu_avx2
 build avx512 g++ -march=x86-64-v4 -DATTNPP_CPU_NS=cpu_avx512
+build avx512_bf16 g++ -march=x86-64-v4 -mavx512bf16 -DATTNPP_CPU_NS=cpu_avx512_bf16
 # Which levels this CPU runs: dispatch.cpp's own test (GCC's x86-64-v3/v4 = exactly those -march's features).
 g++ -x c++ - -o "$work/cpu_has" <<'EOF'
 #include <cstring>
-int main(int, char** argv) {  // cpu_has avx2|avx512: exit 0 if this CPU runs that level
+int main(int, char** argv) {  // cpu_has avx2|avx512|avx512_bf16: exit 0 if this CPU runs that level
   __builtin_cpu_init();
-  const bool avx2 = std::strcmp(argv[1], "avx2") == 0;
-  return !(avx2 ? __builtin_cpu_supports("x86-64-v3") : __builtin_cpu_supports("x86-64-v4"));
+  if (std::strcmp(argv[1], "avx2") == 0) return !__builtin_cpu_supports("x86-64-v3");
+  if (std::strcmp(argv[1], "avx512") == 0) return !__builtin_cpu_supports("x86-64-v4");
+  return !(__builtin_cpu_supports("x86-64-v4") && __builtin_cpu_supports("avx512bf16"));
 }
 EOF
-for name in aarch64 default avx2 avx512; do
+for name in aarch64 default avx2 avx512 avx512_bf16; do
     wait "${pid[$name]}" && echo "cross_check.sh: built $name ($((SECONDS - start))s)" \
         || { echo "cross_check.sh: build $name FAILED:"; grep -E "error|Error" "$work/$name.build.log" | head -20; }
 done
@@ -108,7 +111,7 @@ what="a. aarch64 default (qemu-aarch64)"
 built aarch64 "$what" && run "$what" "$work/aarch64.log" qemu-aarch64 -L /usr/aarch64-linux-gnu "$work/aarch64"
 
 # b. each x86-64 level natively, if this CPU has it; the baseline under an emulated Nehalem too
-for level in default avx2 avx512; do
+for level in default avx2 avx512 avx512_bf16; do
     what="b. x86-64 $level (native)"
     built "$level" "$what" || continue
     if [[ $level == default ]] || "$work/cpu_has" "$level"; then

@@ -4,8 +4,9 @@
     qemu-x86_64 -cpu Nehalem "$(python -c 'import sys; print(sys.executable)')" tools/nehalem_check.py
 
 (the real interpreter: pyenv's `python` is a shell script that qemu cannot run). Checks that the baseline level is
-picked, that the attention functions and nn.MultiheadAttention agree with a NumPy float64 reference written here
-(forward and analytic backward, small sizes: everything runs emulated), and that forcing a level the CPU lacks
+picked, that the attention functions (in float64, float32, bfloat16 and float16) and nn.MultiheadAttention (float64,
+float32) agree with a NumPy float64 reference written here (forward and analytic backward, small sizes: everything
+runs emulated; the halves' software conversions included), and that forcing a level the CPU lacks
 (ATTNPP_CPU_CAPABILITY=avx2) makes `import attnpp` fail with an ImportError naming the CPU.
 
 Environment: NEHALEM_QEMU, the emulator command for that child (default "qemu-x86_64 -cpu Nehalem"). It must be
@@ -17,12 +18,14 @@ import shlex
 import subprocess
 import sys
 
+import ml_dtypes
 import numpy as np
 
 import attnpp
 import attnpp.functional as F
 
-TOL = {np.float32: 1e-5, np.float64: 1e-12}  # relative to max(1, |ref|)
+# relative to max(1, |ref|); the halves: two unit roundoffs of the dtype (their results are rounded once)
+TOL = {np.float32: 1e-5, np.float64: 1e-12, ml_dtypes.bfloat16: 2 * 2.0 ** -8, np.float16: 2 * 2.0 ** -11}
 passed, failures = 0, []
 
 
@@ -151,6 +154,8 @@ def main():
     for dtype in (np.float64, np.float32):
         check_sdpa(dtype, rng)
         check_mha(dtype, rng)
+    for dtype in (ml_dtypes.bfloat16, np.float16):
+        check_sdpa(dtype, rng)
     check_forced_level()
     print(f"{passed} passed, {len(failures)} failed")
     return 1 if failures else 0

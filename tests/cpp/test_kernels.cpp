@@ -1,6 +1,7 @@
 // Standalone test of ONE CPU level's kernels (the namespace attnpp::ATTNPP_CPU_NS, through its table `kernels`)
 // against naive references in double: sdpa forward (out, logsumexp) and backward (dq, dk, dv), linear forward
-// and backward, rotary embedding forward and backward, float32 and float64. No Python, no framework: one line per
+// and backward, rotary embedding forward and backward, in float32, float64, bfloat16 and float16 (the references
+// computed from the same rounded inputs; the halves within two roundings of their dtype). No Python, no framework: one line per
 // check, then "N passed, N failed".
 // Built and run per level (natively, and under qemu for aarch64 and an old x86-64) by tools/cross_check.sh, e.g.
 //   g++ -O3 -fno-math-errno -fopenmp -std=c++17 -march=x86-64-v3 -DATTNPP_CPU_NS=cpu_avx2
@@ -11,6 +12,7 @@
 #include <cmath>
 #include <cstdio>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "kernels.hpp"
@@ -40,15 +42,28 @@ static int passed = 0, failed = 0;
 template <typename T> const Kernels<T>& table();
 template <> const Kernels<float>& table<float>() { return ATTNPP_CPU_NS::kernels.f32; }
 template <> const Kernels<double>& table<double>() { return ATTNPP_CPU_NS::kernels.f64; }
-template <typename T> const char* dtype_name() { return sizeof(T) == 4 ? "float32" : "float64"; }
-template <typename T> double tolerance() { return sizeof(T) == 4 ? 1e-5 : 1e-12; }
+template <> const Kernels<bfloat16>& table<bfloat16>() { return ATTNPP_CPU_NS::kernels.bf16; }
+template <> const Kernels<float16>& table<float16>() { return ATTNPP_CPU_NS::kernels.f16; }
+template <typename T> const char* dtype_name() {
+  return std::is_same_v<T, float> ? "float32" : std::is_same_v<T, double> ? "float64"
+       : std::is_same_v<T, bfloat16> ? "bfloat16" : "float16";
+}
+// float32 and float64: their parity tolerances; the halves: two unit roundoffs of the dtype (the output's rounding,
+// and one more: the weights' at the avx512_bf16 level), 2 * 2^-8 for bfloat16 and 2 * 2^-11 for float16.
+template <typename T> double tolerance() {
+  return std::is_same_v<T, float> ? 1e-5 : std::is_same_v<T, double> ? 1e-12
+       : std::is_same_v<T, bfloat16> ? 0x1p-7 : 0x1p-10;
+}
+// A value of T as double, and a double as T (rounded to nearest for the halves).
+template <typename T> double dbl(T x) { return double(load(x)); }
+template <typename T> T from_double(double x) { return store<T>(compute_t<T>(x)); }
 
 // Max error relative to max(1, |ref|); infinities must match exactly, NaN never does.
 template <typename T>
 void check(const std::string& what, const std::vector<T>& got, const std::vector<double>& ref) {
   double err = got.size() == ref.size() ? 0 : INFINITY;
   for (size_t i = 0; i < got.size() && i < ref.size(); ++i) {
-    const double g = got[i], r = ref[i];
+    const double g = dbl(got[i]), r = ref[i];
     const double e = (std::isinf(g) || std::isinf(r)) ? (g == r ? 0 : INFINITY)
                                                        : std::fabs(g - r) / std::max(1.0, std::fabs(r));
     err = std::isnan(e) ? INFINITY : std::max(err, e);
@@ -67,11 +82,16 @@ void check_true(const std::string& what, bool ok) {
 template <typename T>
 std::vector<T> uniform(size_t n, uint64_t seed, double lo = -1, double hi = 1) {
   std::vector<T> v(n);
-  for (size_t i = 0; i < n; ++i) v[i] = T(lo + (hi - lo) * double(mix64(seed * 1000003 + i) >> 11) * 0x1p-53);
+  for (size_t i = 0; i < n; ++i)
+    v[i] = from_double<T>(lo + (hi - lo) * double(mix64(seed * 1000003 + i) >> 11) * 0x1p-53);
   return v;
 }
 template <typename T>
-std::vector<double> widen(const std::vector<T>& v) { return {v.begin(), v.end()}; }
+std::vector<double> widen(const std::vector<T>& v) {
+  std::vector<double> w(v.size());
+  std::transform(v.begin(), v.end(), w.begin(), [](T x) { return dbl(x); });
+  return w;
+}
 
 // ------------------------------------------------------------------------------------------------ attention
 struct Case {
@@ -103,10 +123,11 @@ struct Layout {
 template <typename T>
 void make_masks(const Case& c, std::vector<T>& full, std::vector<T>& pad) {
   full = uniform<T>(size_t(c.N * c.L * c.S), 99, -2, 2);
-  for (size_t i = 0; i < full.size(); i += 7) full[i] = neg_inf<T>();
-  for (int64_t j = 0; j < c.S; ++j) full[size_t(5 * c.S + j)] = neg_inf<T>();
-  pad.assign(size_t(c.N * c.S), T(0));
-  for (int64_t j = std::max<int64_t>(0, c.S - 3); j < c.S && c.N > 1; ++j) pad[size_t(c.S + j)] = neg_inf<T>();
+  const T hole = from_double<T>(-INFINITY);
+  for (size_t i = 0; i < full.size(); i += 7) full[i] = hole;
+  for (int64_t j = 0; j < c.S; ++j) full[size_t(5 * c.S + j)] = hole;
+  pad.assign(size_t(c.N * c.S), from_double<T>(0));
+  for (int64_t j = std::max<int64_t>(0, c.S - 3); j < c.S && c.N > 1; ++j) pad[size_t(c.S + j)] = hole;
 }
 
 // Naive attention in double: forward (out, lse) and backward (+= into dq, dk, dv) from the same inputs.
@@ -128,7 +149,7 @@ Reference reference(const Case& c, const AttnConfig<T>& cfg, const Layout& lq, c
         double m = -INFINITY;
         for (int64_t j = 0; j < c.S; ++j) {
           double dot = 0;
-          for (int64_t d = 0; d < c.D; ++d) dot += double(q[lq.at(n, h, i, d)]) * double(k[lk.at(n, hk, j, d)]);
+          for (int64_t d = 0; d < c.D; ++d) dot += dbl(q[lq.at(n, h, i, d)]) * dbl(k[lk.at(n, hk, j, d)]);
           s[j] = double(cfg.scale) * dot;
           if (c.softcap > 0) {
             const double t = std::tanh(s[j] / c.softcap);
@@ -161,9 +182,9 @@ Reference reference(const Case& c, const AttnConfig<T>& cfg, const Layout& lq, c
         for (int64_t j = 0; j < c.S; ++j) {
           double g = 0;
           for (int64_t e = 0; e < c.Dv; ++e) {
-            R.out[lo.at(n, h, i, e)] += p[j] * keep[j] * double(v[lv.at(n, hk, j, e)]);
-            R.dv[lv.at(n, hk, j, e)] += p[j] * keep[j] * double(dout[lo.at(n, h, i, e)]);
-            g += double(dout[lo.at(n, h, i, e)]) * double(v[lv.at(n, hk, j, e)]);
+            R.out[lo.at(n, h, i, e)] += p[j] * keep[j] * dbl(v[lv.at(n, hk, j, e)]);
+            R.dv[lv.at(n, hk, j, e)] += p[j] * keep[j] * dbl(dout[lo.at(n, h, i, e)]);
+            g += dbl(dout[lo.at(n, h, i, e)]) * dbl(v[lv.at(n, hk, j, e)]);
           }
           dp[j] = g * keep[j];
           delta += p[j] * dp[j];
@@ -172,8 +193,8 @@ Reference reference(const Case& c, const AttnConfig<T>& cfg, const Layout& lq, c
         for (int64_t j = 0; j < c.S; ++j) {
           const double ds = double(cfg.scale) * p[j] * (dp[j] - delta) * dcap[j];
           for (int64_t d = 0; d < c.D; ++d) {
-            R.dq[lq.at(n, h, i, d)] += ds * double(k[lk.at(n, hk, j, d)]);
-            R.dk[lk.at(n, hk, j, d)] += ds * double(q[lq.at(n, h, i, d)]);
+            R.dq[lq.at(n, h, i, d)] += ds * dbl(k[lk.at(n, hk, j, d)]);
+            R.dk[lk.at(n, hk, j, d)] += ds * dbl(q[lq.at(n, h, i, d)]);
           }
         }
       }
@@ -191,15 +212,16 @@ void test_sdpa(const Case& c) {
   const auto dq0 = uniform<T>(lq.size(), 5), dk0 = uniform<T>(lk.size(), 6), dv0 = uniform<T>(lv.size(), 7);
   AttnConfig<T> cfg;
   cfg.N = c.N, cfg.Hq = c.Hq, cfg.Hk = c.Hk, cfg.L = c.L, cfg.S = c.S, cfg.D = c.D, cfg.Dv = c.Dv;
-  cfg.scale = T(1 / std::sqrt(double(c.D)));
+  using C = compute_t<T>;
+  cfg.scale = C(1 / std::sqrt(double(c.D)));
   cfg.causal = c.causal;
   cfg.dropout_p = c.dropout_p;
   cfg.seed = 12345;
-  cfg.window_left = c.window_left, cfg.window_right = c.window_right, cfg.softcap = T(c.softcap);
-  std::vector<T> slopes, sinks;
+  cfg.window_left = c.window_left, cfg.window_right = c.window_right, cfg.softcap = C(c.softcap);
+  std::vector<C> slopes, sinks;
   for (int64_t h = 0; h < c.Hq; ++h) {
-    slopes.push_back(T(std::ldexp(1.0, int(-1 - h))));
-    sinks.push_back(T(0.5 - (h % 2) + h));
+    slopes.push_back(C(std::ldexp(1.0, int(-1 - h))));
+    sinks.push_back(C(0.5 - (h % 2) + h));
   }
   if (c.alibi) cfg.alibi = slopes.data();
   if (c.sinks) cfg.sinks = sinks.data();
@@ -214,12 +236,15 @@ void test_sdpa(const Case& c) {
 
   // The kernels' results at a given thread count (the OpenMP path and the plain loop must agree bitwise).
   struct Got {
-    std::vector<T> out, lse, dq, dk, dv, dsinks;
+    std::vector<T> out;
+    std::vector<C> lse;
+    std::vector<T> dq, dk, dv;
+    std::vector<C> dsinks;
   };
   const auto run = [&](int threads) {
     set_thread_count(threads);
-    Got g{std::vector<T>(lo.size()), std::vector<T>(size_t(c.N * c.Hq * c.L)), dq0, dk0, dv0,
-          std::vector<T>(size_t(c.Hq))};
+    Got g{std::vector<T>(lo.size()), std::vector<C>(size_t(c.N * c.Hq * c.L)), dq0, dk0, dv0,
+          std::vector<C>(size_t(c.Hq))};
     const auto& K = table<T>();
     K.sdpa_forward(lo.view(g.out.data()), g.lse.data(), lq.view(q.data()), lk.view(k.data()), lv.view(v.data()),
                    cfg);
@@ -252,14 +277,14 @@ void test_linear(int64_t M, int64_t Fin, int64_t Fout, bool bias, bool need_dx) 
   std::vector<double> y_ref(size_t(M * Fout)), dx_ref = widen(dx), dw_ref = widen(dw), db_ref = widen(db);
   for (int64_t r = 0; r < M; ++r)
     for (int64_t o = 0; o < Fout; ++o) {
-      double acc = bias ? double(b[o]) : 0;
+      double acc = bias ? dbl(b[o]) : 0;
       for (int64_t f = 0; f < Fin; ++f) {
-        acc += double(x[r * Fin + f]) * double(w[o * Fin + f]);
-        dx_ref[r * Fin + f] += double(dy[r * Fout + o]) * double(w[o * Fin + f]);
-        dw_ref[o * Fin + f] += double(dy[r * Fout + o]) * double(x[r * Fin + f]);
+        acc += dbl(x[r * Fin + f]) * dbl(w[o * Fin + f]);
+        dx_ref[r * Fin + f] += dbl(dy[r * Fout + o]) * dbl(w[o * Fin + f]);
+        dw_ref[o * Fin + f] += dbl(dy[r * Fout + o]) * dbl(x[r * Fin + f]);
       }
       y_ref[r * Fout + o] = acc;
-      db_ref[o] += double(dy[r * Fout + o]);
+      db_ref[o] += dbl(dy[r * Fout + o]);
     }
   std::vector<T> y(size_t(M * Fout));
   table<T>().linear_forward(y.data(), x.data(), w.data(), bias ? b.data() : nullptr, M, Fin, Fout);
@@ -298,11 +323,12 @@ void test_rotary(int64_t N, int64_t H, int64_t L, int64_t D, int64_t R2, bool in
         for (int64_t d = 0; d < R2; ++d) {
           const size_t a = lay.at(n, h, l, interleaved ? 2 * d : d);
           const size_t b = lay.at(n, h, l, interleaved ? 2 * d + 1 : d + R2);
-          const double c = cos[p * R2 + d], s = sin[p * R2 + d];
-          out_ref[a] = x[a] * c - x[b] * s, out_ref[b] = x[b] * c + x[a] * s;
-          dx_ref[a] = dx[a] + dout[a] * c + dout[b] * s, dx_ref[b] = dx[b] + dout[b] * c - dout[a] * s;
+          const double c = dbl(cos[p * R2 + d]), s = dbl(sin[p * R2 + d]);
+          const double xa = dbl(x[a]), xb = dbl(x[b]), ga = dbl(dout[a]), gb = dbl(dout[b]);
+          out_ref[a] = xa * c - xb * s, out_ref[b] = xb * c + xa * s;
+          dx_ref[a] = dbl(dx[a]) + ga * c + gb * s, dx_ref[b] = dbl(dx[b]) + gb * c - ga * s;
         }
-        for (int64_t d = 2 * R2; d < D; ++d) dx_ref[lay.at(n, h, l, d)] += dout[lay.at(n, h, l, d)];
+        for (int64_t d = 2 * R2; d < D; ++d) dx_ref[lay.at(n, h, l, d)] += dbl(dout[lay.at(n, h, l, d)]);
       }
   std::vector<T> out(lay.size()), inplace = x;
   table<T>().rotary_forward(lay.view(out.data()), lay.view(x.data()), cos.data(), sin.data(), offsets.data(), N, H, L,
@@ -359,6 +385,8 @@ int main() {
   std::printf("attnpp kernels of level %s, %d OpenMP threads available\n", STR(ATTNPP_CPU_NS), omp_get_max_threads());
   test_all<float>();
   test_all<double>();
+  test_all<bfloat16>();
+  test_all<float16>();
   std::printf("%d passed, %d failed\n", passed, failed);
   return failed ? 1 : 0;
 }
