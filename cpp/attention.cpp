@@ -6,9 +6,7 @@
 #include "attention.hpp"
 
 #include <algorithm>
-#include <tuple>
 #include <type_traits>
-#include <utility>
 
 #include "attention_products.hpp"
 #include "vector_exp.hpp"
@@ -57,9 +55,9 @@ void add_rows(const View4<T>& a, int64_t n, int64_t h, int64_t r0, const compute
 
 // scores (R, cols) = the scores of the rows of `b` against keys [j0, j0 + cols) of sequence `vis`:
 // scale * q_blk k_blk^T (products P: attention_products.hpp), soft-capped, plus the masks and the ALiBi bias,
-// -inf outside each row's visible keys; q_blk (R, D), kt = k_blk^T (D, >= cols) packed. With a soft cap and `dcap`, also
-// dcap (R, cols) = 1 - tanh^2, the cap's derivative. Returns false when every score is -inf. kt_col0: the block's
-// first column in kt (a multiple of the panel width).
+// -inf outside each row's visible keys; q_blk (R, D), kt = k_blk^T (D, >= cols) packed. With a soft cap and
+// `dcap`, also dcap (R, cols) = 1 - tanh^2, the cap's derivative. Returns false when every score is -inf.
+// kt_col0: the block's first column in kt (a multiple of the panel width).
 template <typename P, typename T>
 bool score_block(RowMat<compute_t<T>>& scores, RowMat<compute_t<T>>* dcap, typename P::Rows q_blk,
                  const typename P::Packed& kt, const RowBlock& b, int64_t cols, const AttnConfig<T>& cfg,
@@ -177,9 +175,9 @@ void forward(const View4<Q>& out, compute_t<T>* logsumexp, const View4<const Q>&
         thread_local Eigen::Matrix<C, 1, Eigen::Dynamic> o_row;  // (Dv) an output row before it is written
         const int64_t R = b.count();
         // the block's query rows: in place for one head (converted for halves), gathered for several
+        const auto query_row = [&](int64_t r) { return q.at(n, b.head(r), vis.q0 + b.query(r)); };
         const auto q_blk = b.heads == 1 ? P::rows(q_buf, q, n, h0, vis.q0 + i0, R, cfg.D)
-                                        : P::gather(q_buf, [&](int64_t r) { return q.at(n, b.head(r), vis.q0 + b.query(r)); },
-                                                    R, cfg.D);
+                                        : P::gather(q_buf, query_row, R, cfg.D);
         acc.setZero(R, cfg.Dv);
         m.setConstant(R, neg_inf<C>());
         l.setZero(R);

@@ -27,7 +27,8 @@ void sdpa_forward_wide_queries(const View4<compute_t<T>>& out, compute_t<T>* log
 // with cfg.sinks and when not null, dsinks (Hq).
 template <typename T>
 void sdpa_backward(const View4<T>& dq, const View4<T>& dk, const View4<T>& dv, compute_t<T>* dsinks,
-                   const View4<const T>& dout, const View4<const T>& out, const compute_t<T>* logsumexp, const View4<const T>& q,
+                   const View4<const T>& dout, const View4<const T>& out, const compute_t<T>* logsumexp,
+                   const View4<const T>& q,
                    const View4<const T>& k, const View4<const T>& v, const AttnConfig<T>& cfg);
 
 // The attention weights (N, Hq, L, S), contiguous, after dropout when cfg.dropout_p > 0:

@@ -96,14 +96,11 @@ void parallel_for_chunks(int64_t n, F&& body) {
   parallel_for(ceil_div(n, kChunk), n, [&](int64_t c) { body(c * kChunk, std::min(n, (c + 1) * kChunk)); });
 }
 
-// Explicit instantiation of a kernel file's templates for both dtypes: INSTANTIATE(T) is a macro of the file's
-// `template void f<T>(...);` lines.
-#define ATTNPP_FOR_BOTH_DTYPES(INSTANTIATE) \
-  INSTANTIATE(float)                        \
-  INSTANTIATE(double)
-// The same for the half-precision storage types too (half.hpp), for the kernels that take them.
+// Explicit instantiation of a kernel file's templates for every dtype (float, double and the half-precision
+// storage types of half.hpp): INSTANTIATE(T) is a macro of the file's `template void f<T>(...);` lines.
 #define ATTNPP_FOR_ALL_DTYPES(INSTANTIATE) \
-  ATTNPP_FOR_BOTH_DTYPES(INSTANTIATE)      \
+  INSTANTIATE(float)                       \
+  INSTANTIATE(double)                      \
   INSTANTIATE(bfloat16)                    \
   INSTANTIATE(float16)
 

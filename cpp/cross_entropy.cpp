@@ -104,8 +104,8 @@ void cross_entropy_backward(T* dinput, const compute_t<T>* row_weight, const com
 }
 
 #define INSTANTIATE(T)                                                                                         \
-  template void cross_entropy_forward<T>(compute_t<T>*, compute_t<T>*, const T*, const int64_t*, int64_t, int64_t,       \
-                                         int64_t);                                                             \
+  template void cross_entropy_forward<T>(compute_t<T>*, compute_t<T>*, const T*, const int64_t*, int64_t,    \
+                                         int64_t, int64_t);                                                    \
   template void cross_entropy_backward<T>(T*, const compute_t<T>*, const compute_t<T>*, const T*,             \
                                           const int64_t*, int64_t, int64_t);
 ATTNPP_FOR_ALL_DTYPES(INSTANTIATE)

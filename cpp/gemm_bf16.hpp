@@ -147,7 +147,9 @@ struct PackedPairs {
       for (; p < K2; ++p)
         for (int64_t j = 0; j < w; ++j) {
           const bfloat16* x = src + (j0 + j) * ld + 2 * p;
-          dst[p * w + j] = j >= cols ? 0 : 2 * p + 1 < K ? pairs_detail::pair(x) : pairs_detail::pair(x[0], bfloat16{0});
+          dst[p * w + j] = j >= cols      ? 0
+                           : 2 * p + 1 < K ? pairs_detail::pair(x)
+                                           : pairs_detail::pair(x[0], bfloat16{0});
         }
     }
   }
@@ -229,7 +231,8 @@ inline void to_pair_rows(uint32_t* out, const float* a, int64_t lda, int64_t row
     int64_t c = 0;
     for (; c + 32 <= cols; c += 32)
       _mm512_storeu_si512(o + c / 2, (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(x + c + 16), _mm512_loadu_ps(x + c)));
-    for (; c < cols; c += 2) o[c / 2] = pairs_detail::pair(store<bfloat16>(x[c]), store<bfloat16>(c + 1 < cols ? x[c + 1] : 0.f));
+    for (; c < cols; c += 2)
+      o[c / 2] = pairs_detail::pair(store<bfloat16>(x[c]), store<bfloat16>(c + 1 < cols ? x[c + 1] : 0.f));
   }
 }
 

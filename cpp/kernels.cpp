@@ -11,11 +11,12 @@ namespace {
 
 template <typename T>
 constexpr Kernels<T> table() {
-  return {&sdpa_forward<T>,    &sdpa_forward_wide_queries<T>, &sdpa_backward<T>,      &sdpa_weights<T>,           &linear_forward<T>,
-          &linear_backward<T>, &dropout_forward<T>,    &dropout_backward<T>,       &embedding_forward<T>,
-          &embedding_backward<T>, &cross_entropy_forward<T>, &cross_entropy_backward<T>, &sgd_step<T>,
-          &adamw_step<T>,
-          &rotary_forward<T>, &rotary_backward<T>};
+  return {&sdpa_forward<T>,       &sdpa_forward_wide_queries<T>, &sdpa_backward<T>,
+          &sdpa_weights<T>,       &linear_forward<T>,            &linear_backward<T>,
+          &dropout_forward<T>,    &dropout_backward<T>,          &embedding_forward<T>,
+          &embedding_backward<T>, &cross_entropy_forward<T>,     &cross_entropy_backward<T>,
+          &sgd_step<T>,           &adamw_step<T>,                &rotary_forward<T>,
+          &rotary_backward<T>};
 }
 
 }  // namespace

@@ -23,7 +23,8 @@ struct Kernels {
   void (*sdpa_forward_wide_queries)(const View4<C>& out, C* logsumexp, const View4<const C>& q,
                                     const View4<const T>& k, const View4<const T>& v, const AttnConfig<T>& cfg);
   void (*sdpa_backward)(const View4<T>& dq, const View4<T>& dk, const View4<T>& dv, C* dsinks,
-                        const View4<const T>& dout, const View4<const T>& out, const C* logsumexp, const View4<const T>& q,
+                        const View4<const T>& dout, const View4<const T>& out, const C* logsumexp,
+                        const View4<const T>& q,
                         const View4<const T>& k, const View4<const T>& v, const AttnConfig<T>& cfg);
   void (*sdpa_weights)(T* weights, const C* logsumexp, const View4<const T>& q, const View4<const T>& k,
                        const AttnConfig<T>& cfg, bool average_heads);

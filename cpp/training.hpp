@@ -26,7 +26,8 @@ template <typename T>
 void embedding_backward(T* dweight, const T* dout, const int64_t* index, int64_t N, int64_t E);
 
 // Per-row losses (N) = logsumexp(input[i]) - input[i, target[i]] (0 where target == ignore_index) and the
-// row statistics stats (N, 2), both in the compute type, = (max_c input[i, c], log sum_c exp(input[i, c] - max)); input (N, C).
+// row statistics stats (N, 2) = (max_c input[i, c], log sum_c exp(input[i, c] - max)), both in the compute type;
+// input (N, C).
 template <typename T>
 void cross_entropy_forward(compute_t<T>* losses, compute_t<T>* stats, const T* input, const int64_t* target, int64_t N,
                            int64_t C, int64_t ignore_index);

@@ -71,7 +71,7 @@ def test_quick_run_prints_a_ratio_for_every_case(quick):
     # issue 14's 7 targets, issue 21's: the 2 kernel cases x fwd, fwd+bwd x bfloat16, float16, and the decode step
     assert "targets: not judged at --quick sizes (16 cases have one at full size)" in quick.splitlines()
     for dtype in ("bfloat16", "float16"):
-        assert sum(n.startswith("sdpa") and n.endswith(dtype) for n in names) == 4, names
+        assert sum(n.startswith("sdpa") and n.endswith(" " + dtype) for n in names) == 4, names
         assert RATIO.match(rows[f"decode fwd (2,4,1,16) GQA 2 kv heads, cache 64+1 {dtype}"][3])
     assert re.search(r"^bfloat16 GEMM 256x256 @ 256x256 through torch.mm: \d+\.\d GFLOP/s \| attnpp sdpa fwd "
                      r"bfloat16 over 2 cases: best \d+\.\d GFLOP/s = \d+% of it", quick, re.MULTILINE), quick
@@ -102,7 +102,7 @@ def test_sgemm_line_sets_the_attention_forward_against_the_sgemm_rate(quick):
 
     # best and median: over the table's own figures for the forward kernel cases (not fwd+bwd, not memory)
     rows = table_rows(quick)
-    forward = [cells[4] for name, cells in rows.items() if name.startswith("sdpa fwd ")]
+    forward = [cells[4] for name, cells in rows.items() if name.startswith("sdpa fwd ") and "float16" not in name]
     assert int(cases) == len(forward) == 2
     assert best == max(forward, key=float)
     assert abs(float(median) - np.median([float(g) for g in forward])) <= 0.101  # both rounded to 0.1
@@ -129,13 +129,20 @@ def test_sgemm_line_figures():
     assert SGEMM.search(line)
     no_forward = bench.sgemm_line(results[2:3], 256, {"PyTorch": 50.0, "NumPy": 80.0}, "NumPy's note")
     assert no_forward.endswith("| attnpp sdpa fwd: no such case in this run (see --cases)")
+    bf16 = [bench.Result(bench.Case(f"sdpa fwd {x} bfloat16", build=None, flops=g * 1e9, dtype="bfloat16"),
+                         times=([1.0] * 3, [2.0] * 3), calls=(1, 1), memory=(None, None))
+            for x, g in (("a", 30), ("b", 60), ("c", 90))]
+    assert bench.bfloat16_gemm_line(results + bf16, 2048, 120.0) == (
+        "bfloat16 GEMM 2048x2048 @ 2048x2048 through torch.mm: 120.0 GFLOP/s | attnpp sdpa fwd bfloat16 over 3 "
+        "cases: best 90.0 GFLOP/s = 75% of it, median 60.0 GFLOP/s")
 
 
 def test_capability_runs_the_table_in_a_child_at_that_level():
     # the other options are passed on: only the forward kernel cases, 2 repeats
-    selected = run("--list", "--cases", "^sdpa fwd ").stdout.splitlines()
+    float32_forward = r"^sdpa fwd \S+( causal)?$"
+    selected = run("--list", "--cases", float32_forward).stdout.splitlines()
     assert len(selected) == 2, selected
-    result = run("--capability", "default", "--cases", "^sdpa fwd ", "--repeats", "2")
+    result = run("--capability", "default", "--cases", float32_forward, "--repeats", "2")
     assert result.returncode == 0, result.stderr
     levels = LEVEL.findall(result.stdout)
     assert len(levels) == 1, result.stdout  # one header: the parent forwards the child's output, adds nothing

@@ -35,8 +35,10 @@ def cpu_capability():
     x86-64-v3 (AVX2, FMA, F16C), ``avx512`` x86-64-v4 (AVX-512 F, BW, CD, DQ, VL), ``avx512_bf16`` that and
     AVX512_BF16 (bfloat16 attention products with ``vdpbf16ps``: Intel Cooper Lake and Sapphire Rapids on, AMD Zen
     4 on); on other architectures, their baseline (NEON on aarch64). The environment variable
-    ``ATTNPP_CPU_CAPABILITY=default|avx2|avx512|avx512_bf16``, read at import, forces a level; one the CPU cannot run makes ``import attnpp`` raise ImportError. Results differ
-    between levels in the last bits (another order of sums, fused multiply-adds), never between thread counts.
+    ``ATTNPP_CPU_CAPABILITY=default|avx2|avx512|avx512_bf16``, read at import, forces a level; one the CPU cannot
+    run makes ``import attnpp`` raise ImportError. Results differ between levels in the last bits (another order
+    of sums, fused multiply-adds; bfloat16 at ``avx512_bf16``: the attention weights rounded for their products),
+    never between thread counts.
     """
     return _core.cpu_capability()
 

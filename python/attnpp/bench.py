@@ -890,20 +890,24 @@ def sgemm_line(results, n, rates, numpy_threads):
             f"PyTorch {rates['PyTorch']:.1f} GFLOP/s, NumPy {rates['NumPy']:.1f} GFLOP/s ({numpy_threads}) | ")
     forward = [attnpp_gflops(r) for r in results if isinstance(r, Result) and r.case.vs_sgemm]
     if not forward:
-        line += "attnpp sdpa fwd: no such case in this run (see --cases)"
-    else:
-        best, median = max(forward), float(np.median(forward))
-        share = lambda gflops: f"{gflops / rates['PyTorch']:.0%}"
-        line += (f"attnpp sdpa fwd over {len(forward)} cases: best {best:.1f} GFLOP/s = {share(best)} of "
-                 f"PyTorch's sgemm, median {median:.1f} GFLOP/s = {share(median)} (the issue's target: >= "
-                 f"{SGEMM_TARGET:.0%})")
-    bf16 = [attnpp_gflops(r) for r in results if isinstance(r, Result) and r.case.dtype == "bfloat16"
-            and r.case.name.startswith("sdpa fwd ")]
-    line += f"\nbfloat16 GEMM {n}x{n} @ {n}x{n} through torch.mm: {rates['PyTorch bfloat16']:.1f} GFLOP/s | "
-    if not bf16:
+        return line + "attnpp sdpa fwd: no such case in this run (see --cases)"
+    best, median = max(forward), float(np.median(forward))
+    share = lambda gflops: f"{gflops / rates['PyTorch']:.0%}"
+    return line + (f"attnpp sdpa fwd over {len(forward)} cases: best {best:.1f} GFLOP/s = {share(best)} of "
+                   f"PyTorch's sgemm, median {median:.1f} GFLOP/s = {share(median)} (the issue's target: >= "
+                   f"{SGEMM_TARGET:.0%})")
+
+
+def bfloat16_gemm_line(results, n, rate):
+    """The bfloat16 GEMM rate through torch.mm beside attnpp's bfloat16 attention forward (best and median of the
+    run's ``sdpa fwd ... bfloat16`` cases)."""
+    line = f"bfloat16 GEMM {n}x{n} @ {n}x{n} through torch.mm: {rate:.1f} GFLOP/s | "
+    forward = [attnpp_gflops(r) for r in results if isinstance(r, Result) and r.case.dtype == "bfloat16"
+               and r.case.name.startswith("sdpa fwd ")]
+    if not forward:
         return line + "attnpp sdpa fwd bfloat16: no such case in this run (see --cases)"
-    return line + (f"attnpp sdpa fwd bfloat16 over {len(bf16)} cases: best {max(bf16):.1f} GFLOP/s = "
-                   f"{max(bf16) / rates['PyTorch bfloat16']:.0%} of it, median {float(np.median(bf16)):.1f} GFLOP/s")
+    return line + (f"attnpp sdpa fwd bfloat16 over {len(forward)} cases: best {max(forward):.1f} GFLOP/s = "
+                   f"{max(forward) / rate:.0%} of it, median {float(np.median(forward)):.1f} GFLOP/s")
 
 
 def target_line(result):
@@ -950,6 +954,8 @@ def print_report(results, repeats, min_sample, quick, load, sgemm):
         for r in targeted:
             print(target_line(r))
     print(sgemm_line(results, *sgemm))
+    n, rates, _ = sgemm
+    print(bfloat16_gemm_line(results, n, rates["PyTorch bfloat16"]))
     print("ratio = PyTorch time / attnpp time of each alternating pair (a, t, a, t, ...): median [25th-75th "
           "percentile] over the pairs; above 1: attnpp faster")
 

@@ -322,7 +322,8 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     that also returns what the backward needs is ``scaled_dot_product_attention_forward``.
 
     Args:
-        query (ndarray): (B..., Hq, L, D), or (L, D) unbatched; float32 or float64.
+        query (ndarray): (B..., Hq, L, D), or (L, D) unbatched; float32, float64, float16 or bfloat16
+            (``ml_dtypes.bfloat16``; see "Half precision" below).
         key (ndarray): (B..., Hk, S, D), same dtype. B... broadcasts against the query's.
         value (ndarray): (B..., Hv, S, Dv), same dtype; Hv = Hk unless ``enable_gqa``.
         attn_mask (ndarray, optional): broadcastable to (B..., Hq, L, S), any number of dimensions (a 1-D mask
@@ -362,8 +363,8 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
         output (ndarray): (B..., Hq, L, Dv), or (L, Dv) unbatched.
 
     Raises:
-        TypeError: query, key or value not a float32/float64 ndarray, mixed dtypes, a mask of another dtype,
-            is_causal or enable_gqa not a bool.
+        TypeError: query, key or value not an ndarray of one of those dtypes, mixed dtypes (naming the argument
+            and both dtypes), a mask of another dtype than bool or the query's, is_causal or enable_gqa not a bool.
         ValueError: shapes that do not agree or broadcast (named with their shapes), a mask that does not
             broadcast to (B..., Hq, L, S), dropout_p outside [0, 1), attn_mask given with is_causal=True, a window
             side below -1, a negative or infinite softcap, alibi_slopes or sinks of another shape than (Hq,).
@@ -377,6 +378,15 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     backends differ there too. Large scores do not overflow (the softmax subtracts each row's maximum); the
     backward and the weights, recomputed from the rounded log-sum-exp, carry an extra relative error of about
     eps * |score| (FlashAttention-2's, and PyTorch's flash backward's): float32 scores of 1e3 give about 1e-4.
+
+    Half precision (float16, bfloat16), as PyTorch's CPU kernels: every element is read into float32, the
+    products accumulate in float32, the softmax and the log-sum-exp are float32 (the log-sum-exp is returned as
+    float32), and each output and gradient is rounded once to the input dtype at the end (not per key block;
+    the gradients' softmax term rowsum(dO * O) is taken from the weights in float32, not from the rounded
+    output). At the ``avx512_bf16`` CPU level (``attnpp.cpu_capability()``), the bfloat16 products of queries,
+    keys, values and output gradients run on ``vdpbf16ps`` (pairs of bfloat16 into float32, exact products),
+    and the weights P are rounded to bfloat16 for their products with V and dO, as PyTorch's CPU flash attention
+    does; the scores' gradient keeps float32. The slopes and the sinks are used in float32.
 
     Method: Vaswani et al., "Attention Is All You Need" (2017); computed as FlashAttention-2 (Dao, 2023): key
     blocks with an online softmax, only the output and the log-sum-exp saved, so memory grows with L, not L*S.
@@ -399,7 +409,8 @@ def scaled_dot_product_attention_backward(grad_output, query, key, value, output
     Args:
         grad_output (ndarray): (B..., Hq, L, Dv) (or (L, Dv) unbatched), the gradient of the loss with respect
             to ``output``; the inputs' dtype.
-        query (ndarray): (B..., Hq, L, D), or (L, D) unbatched, the forward's; float32 or float64.
+        query (ndarray): (B..., Hq, L, D), or (L, D) unbatched, the forward's; float32, float64, float16 or
+            bfloat16.
         key (ndarray): (B..., Hk, S, D), the forward's.
         value (ndarray): (B..., Hv, S, Dv), the forward's.
         output (ndarray): (B..., Hq, L, Dv), the forward's output.
@@ -425,7 +436,7 @@ def scaled_dot_product_attention_backward(grad_output, query, key, value, output
         ``sinks``, (grad_query, grad_key, grad_value, grad_sinks), grad_sinks (Hq,).
 
     Raises:
-        TypeError: an input that is not a float32/float64 ndarray, mixed dtypes (grad_output, output and
+        TypeError: an input that is not a float ndarray of those dtypes, mixed dtypes (grad_output, output and
             logsumexp included), a mask of another dtype, is_causal or enable_gqa not a bool.
         ValueError: shapes that do not agree or broadcast (named with their shapes), grad_output, output or
             logsumexp not of the forward's output shapes, a mask that does not broadcast to (B..., Hq, L, S),
@@ -476,7 +487,7 @@ def scaled_dot_product_attention_weights(query, key, attn_mask=None, dropout_p=0
         weights (ndarray): (B..., Hq, L, S), or (L, S) unbatched; fully masked rows are 0.
 
     Raises:
-        TypeError: query or key not a float32/float64 ndarray, mixed dtypes (logsumexp included), a mask of
+        TypeError: query or key not a float ndarray of those dtypes, mixed dtypes (logsumexp included), a mask of
             another dtype, is_causal or enable_gqa not a bool.
         ValueError: shapes that do not agree or broadcast (named with their shapes), a logsumexp not of shape
             (B..., Hq, L), a mask that does not broadcast to (B..., Hq, L, S), dropout_p outside [0, 1),
@@ -556,7 +567,7 @@ def scaled_dot_product_attention_varlen_forward(query, key, value, cu_seqlens_q,
     ALiBi positions included); nothing is computed for padding, and memory grows with the tokens, not L * S.
 
     Args:
-        query (ndarray): (Tq, Hq, D), the sequences' queries packed, float32 or float64.
+        query (ndarray): (Tq, Hq, D), the sequences' queries packed, float32, float64, float16 or bfloat16.
         key (ndarray): (Tk, Hk, D), same dtype; Hq a multiple of Hk (grouped-query attention).
         value (ndarray): (Tk, Hk, Dv), same dtype.
         cu_seqlens_q, cu_seqlens_k (ndarray): (B + 1,) integers, the cumulative lengths: 0, L_0, L_0 + L_1, ...,
@@ -571,7 +582,7 @@ def scaled_dot_product_attention_varlen_forward(query, key, value, cu_seqlens_q,
         layout); seed as in ``scaled_dot_product_attention_forward``.
 
     Raises:
-        TypeError: arrays that are not float32/float64 ndarrays of one dtype, integer offsets of another type.
+        TypeError: arrays that are not float ndarrays of one dtype, integer offsets of another type.
         ValueError: shapes that do not agree, offsets that do not run from 0 to Tq (Tk) without decreasing, or
         other numbers of sequences; the option errors of ``scaled_dot_product_attention``.
     """
@@ -761,7 +772,8 @@ def linear(input, weight, bias=None):
     """``input @ weight.T + bias``, as ``torch.nn.functional.linear``.
 
     Args:
-        input (ndarray): (*, Fin), float32 or float64.
+        input (ndarray): (*, Fin), float32, float64, float16 or bfloat16 (half precision: the products in
+            float32 on float32 copies of the operands, the output rounded once).
         weight (ndarray): (Fout, Fin), same dtype.
         bias (ndarray, optional): (Fout,). Default: None.
 
@@ -842,7 +854,7 @@ def dropout(input, p=0.5, training=True, *, seed=None):
     ``torch.nn.functional.dropout`` (Srivastava et al., 2014).
 
     Args:
-        input (ndarray): any shape, float32 or float64.
+        input (ndarray): any shape, float32, float64, float16 or bfloat16.
         p (float): drop probability in [0, 1). Default: 0.5.
         training (bool): apply dropout; when False the input is returned as is. Default: True.
         seed (int, optional): the mask is ``dropout_mask(input.shape, p, seed)``; None draws a seed from
@@ -889,7 +901,7 @@ def embedding(input, weight):
 
     Args:
         input (ndarray): integer indices of any shape (*), each in [0, V).
-        weight (ndarray): (V, E), float32 or float64.
+        weight (ndarray): (V, E), float32, float64, float16 or bfloat16.
 
     Returns:
         ndarray (*, E).
@@ -974,7 +986,8 @@ def cross_entropy(input, target, ignore_index=-100, reduction="mean"):
     confident float32 row over 50,257 classes keeps its small loss.
 
     Args:
-        input (ndarray): (N, C) logits (or (C,) for one row), float32 or float64.
+        input (ndarray): (N, C) logits (or (C,) for one row), float32, float64, float16 or bfloat16 (half
+            precision: read into float32, the losses and their reduction in float32, rounded once).
         target (ndarray): (N,) (or ()) integer class indices in [0, C) or equal to ``ignore_index``.
         ignore_index (int): target value that contributes neither loss nor gradient. Default: -100.
         reduction (str): ``"mean"`` | ``"sum"`` | ``"none"``. Default: ``"mean"``.
@@ -1034,7 +1047,7 @@ def rotary_tables(max_positions, rotary_dim, base=10000.0, dtype=np.float32):
         max_positions (int): P, the number of positions (table rows), >= 0.
         rotary_dim (int): R, the number of features rotated, even and >= 2 (<= the head width D).
         base (float): the base of the geometric sequence of frequencies, > 0. Default: 10000.0 (RoFormer, Llama).
-        dtype: float32 or float64. Default: np.float32.
+        dtype: float32, float64, float16 or bfloat16. Default: np.float32.
 
     Returns:
         (cos, sin): two ndarrays (P, R/2) of ``dtype``.
@@ -1119,8 +1132,9 @@ def rotary_embedding(input, cos, sin, *, interleaved=False, position_offset=0):
     Applied to the query and key before attention, it makes q . k depend on their positions' difference only.
 
     Args:
-        input (ndarray): (B..., H, L, D), or (L, D) unbatched; float32 or float64. Row l of each (L, D) matrix
-            is the token at position ``position_offset + l``.
+        input (ndarray): (B..., H, L, D), or (L, D) unbatched; float32, float64, float16 or bfloat16 (half
+            precision: rotated in float32, rounded once). Row l of each (L, D) matrix is the token at position
+            ``position_offset + l``.
         cos, sin (ndarray): (P, R/2), the input's dtype: cos and sin of the angle of position p and pair d
             (``rotary_tables`` makes them). R = 2 * cos.shape[-1] is the number of features rotated (rotary_dim),
             R <= D; features R.. pass through unchanged.
@@ -1155,8 +1169,8 @@ def rotary_embedding_backward(grad_output, cos, sin, *, interleaved=False, posit
     through. Needs nothing saved by the forward.
 
     Args:
-        grad_output (ndarray): (B..., H, L, D), or (L, D) unbatched, float32 or float64: the gradient of the loss
-            with respect to the forward's output.
+        grad_output (ndarray): (B..., H, L, D), or (L, D) unbatched, float32, float64, float16 or bfloat16: the
+            gradient of the loss with respect to the forward's output.
         cos, sin (ndarray): (P, R/2), grad_output's dtype: the tables given to ``rotary_embedding``.
         interleaved (bool): as given to ``rotary_embedding``: pairs (2d, 2d + 1) if True (GPT-J), (d, d + R/2)
             if False (GPT-NeoX, Llama). Default: False.

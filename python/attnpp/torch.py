@@ -3,7 +3,8 @@
 ``import attnpp.torch`` (``import attnpp`` alone never imports torch). Each operation is a
 ``torch.autograd.Function`` whose forward and backward are attnpp's C++ (``attnpp.functional``); the tensors'
 memory is read as NumPy views (no copy, non-contiguous tensors included; bfloat16 through ``ml_dtypes.bfloat16``)
-and the results are wrapped without a copy either. Double backward is not supported (the backward is not itself differentiable).
+and the results are wrapped without a copy either. Double backward is not supported (the backward is not itself
+differentiable).
 
 - ``scaled_dot_product_attention``: as ``torch.nn.functional.scaled_dot_product_attention``.
 - ``linear`` and ``Linear``: as ``torch.nn.functional.linear`` and ``torch.nn.Linear``.
@@ -17,10 +18,10 @@ Shape letters: B... batch dimensions, H heads (Hq of the query, Hk of key and va
 length, D query/key head width, Dv value head width, E embedding width.
 
 Tensors: float32, float64, float16 or bfloat16 (masks may be bool), on the CPU; half precision is computed and
-accumulated in float32 and rounded once per output, as PyTorch's CPU kernels do, and the log-sum-exp is float32. Masks follow PyTorch's conventions, which differ
-between functions: in ``scaled_dot_product_attention`` a bool ``attn_mask`` is True where a key *takes part*; in
-``MultiheadAttention`` and ``Attention`` a bool mask is True where a key is *masked out*. Float masks are added
-to the scores everywhere; masks get no gradient.
+accumulated in float32 and rounded once per output, as PyTorch's CPU kernels do, and the log-sum-exp is float32.
+Masks follow PyTorch's conventions, which differ between functions: in ``scaled_dot_product_attention`` a bool
+``attn_mask`` is True where a key *takes part*; in ``MultiheadAttention`` and ``Attention`` a bool mask is True
+where a key is *masked out*. Float masks are added to the scores everywhere; masks get no gradient.
 
 Dropout: the seed of each call with dropout is drawn from torch's default CPU generator (one
 ``torch.randint`` per call), so ``torch.manual_seed(s)`` makes a run reproducible, whatever the thread count;
@@ -234,8 +235,8 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     Raises:
         ValueError: a tensor not on the CPU; shapes that do not agree or broadcast, dropout_p outside [0, 1),
         attn_mask with is_causal=True, the variants' bad values (a window side below -1, a negative softcap,
-        alibi_slopes or sinks of another shape). TypeError: dtypes other than float32, float64, float16 or bfloat16 (bool for the mask)
-        or mixed, a non-tensor (sinks included).
+        alibi_slopes or sinks of another shape). TypeError: dtypes other than float32, float64, float16 or
+        bfloat16 (bool for the mask) or mixed, a non-tensor (sinks included).
     """
     return _attention(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, seed,
                       causal_alignment, window=window, alibi_slopes=alibi_slopes, softcap=softcap, sinks=sinks)[0]
@@ -434,8 +435,8 @@ class Attention(torch.nn.Module):
     out_dim, bias=True, out_proj=True, out_bias, causal=False, causal_alignment="top_left", attn_dropout=0.0,
     out_dropout=0.0, scale, context_length, and the variants window, alibi=False, softcap, sinks=False,
     rotary=False, rotary_dim, rotary_base=10000.0, rotary_interleaved=False; checked by the same
-    ``attention_config``, documented there), except ``dtype`` (torch.dtype, optional): float32, float64, float16 or bfloat16,
-    default torch's default dtype; the output dropout is a ``torch.nn.Dropout``.
+    ``attention_config``, documented there), except ``dtype`` (torch.dtype, optional): float32, float64, float16
+    or bfloat16, default torch's default dtype; the output dropout is a ``torch.nn.Dropout``.
 
     Sub-modules (``attnpp.torch.Linear``, weight (out, in), torch.nn.Linear's initialisation): ``q_proj``
     (E -> qk_dim), ``k_proj`` (kv_dim -> qk_dim), ``v_proj`` (kv_dim -> v_dim), ``out_proj`` (v_dim -> out_dim,
@@ -446,8 +447,8 @@ class Attention(torch.nn.Module):
 
     Raises:
         ValueError: H not dividing qk_dim or v_dim, a non-positive width, dropout outside [0, 1), an unknown
-        causal_alignment. TypeError: a dtype other than float32, float64, float16 or bfloat16, widths that are not ints. And the
-        variants' errors, as ``attnpp.nn.Attention`` lists them.
+        causal_alignment. TypeError: a dtype other than float32, float64, float16 or bfloat16, widths that are
+        not ints. And the variants' errors, as ``attnpp.nn.Attention`` lists them.
     """
 
     def __init__(self, embed_dim, num_heads=1, *, qk_dim=None, v_dim=None, kv_dim=None, out_dim=None, bias=True,
@@ -497,7 +498,8 @@ class Attention(torch.nn.Module):
 
         Raises:
             ValueError: tensors not on the CPU, shapes that do not agree, a sequence longer than
-            context_length. TypeError: dtypes other than float32, float64, float16 or bfloat16 or mixed (masks may be bool).
+            context_length. TypeError: dtypes other than float32, float64, float16 or bfloat16, or mixed (masks
+            may be bool).
         """
         context = self._check(x, context, key_padding_mask)
         batched = x.dim() == 3

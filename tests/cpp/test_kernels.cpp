@@ -1,8 +1,8 @@
 // Standalone test of ONE CPU level's kernels (the namespace attnpp::ATTNPP_CPU_NS, through its table `kernels`)
 // against naive references in double: sdpa forward (out, logsumexp) and backward (dq, dk, dv), linear forward
 // and backward, rotary embedding forward and backward, in float32, float64, bfloat16 and float16 (the references
-// computed from the same rounded inputs; the halves within two roundings of their dtype). No Python, no framework: one line per
-// check, then "N passed, N failed".
+// computed from the same rounded inputs; the halves within two roundings of their dtype). No Python, no
+// framework: one line per check, then "N passed, N failed".
 // Built and run per level (natively, and under qemu for aarch64 and an old x86-64) by tools/cross_check.sh, e.g.
 //   g++ -O3 -fno-math-errno -fopenmp -std=c++17 -march=x86-64-v3 -DATTNPP_CPU_NS=cpu_avx2
 //       -DEIGEN_GEMM_TO_COEFFBASED_THRESHOLD=0 -Icpp -I<eigen3> tests/cpp/test_kernels.cpp cpp/{attention,...}.cpp

@@ -7,11 +7,11 @@ from .._checks import FLOAT_NAMES, FLOATS
 class Parameter:
     """A trainable array with its gradient beside it.
 
-    ``data`` is a NumPy array (float32, float64, float16 or bfloat16) that the layers and optimizers update in place; ``grad`` is
-    None until a backward accumulates into it (as in PyTorch), then an array of the same shape and dtype.
-    Assigning an array to ``data`` (or ``grad``) copies it into the existing buffer, so views taken earlier
-    (``state_dict()``'s, for instance) stay valid. ``np.asarray(p)`` and ``p.numpy()`` give ``data`` without a
-    copy. Copies (``copy.deepcopy``, pickle) share no memory with the original.
+    ``data`` is a NumPy array (float32, float64, float16 or bfloat16) that the layers and optimizers update in
+    place; ``grad`` is None until a backward accumulates into it (as in PyTorch), then an array of the same shape
+    and dtype. Assigning an array to ``data`` (or ``grad``) copies it into the existing buffer, so views taken
+    earlier (``state_dict()``'s, for instance) stay valid. ``np.asarray(p)`` and ``p.numpy()`` give ``data``
+    without a copy. Copies (``copy.deepcopy``, pickle) share no memory with the original.
 
     Args:
         data (array_like): the initial value, copied; a float32, float64, float16 or bfloat16 array.
