@@ -41,9 +41,24 @@ struct Vec {
   static constexpr int width = kVecBytes / sizeof(T);
 };
 
+// A vector of W = Vec<T>::width elements of B (of T, or of a half-precision type whose compute type is T: read into
+// T; a decoding step's value rows, read in place).
+template <typename T, typename TB>
+inline typename Vec<T>::type load_vector(const TB* B) {
+  typename Vec<T>::type v;
+  if constexpr (std::is_same_v<TB, T>) {
+    std::memcpy(&v, B, sizeof(v));
+  } else {
+    T wide[Vec<T>::width];
+    load_n(wide, B, Vec<T>::width);
+    std::memcpy(&v, wide, sizeof(v));
+  }
+  return v;
+}
+
 // C (MR, NV * width) (+)= alpha * A (MR, K) B (K, NV * width).
-template <typename T, int MR, int NV>
-inline void tile(T* C, int64_t ldc, const T* A, int64_t ars, int64_t acs, const T* B, int64_t ldb, int64_t K,
+template <typename T, int MR, int NV, typename TB>
+inline void tile(T* C, int64_t ldc, const T* A, int64_t ars, int64_t acs, const TB* B, int64_t ldb, int64_t K,
                  T alpha, bool accumulate) {
   using V = typename Vec<T>::type;
   constexpr int W = Vec<T>::width;
@@ -52,7 +67,7 @@ inline void tile(T* C, int64_t ldc, const T* A, int64_t ars, int64_t acs, const 
     for (int v = 0; v < NV; ++v) acc[i][v] = V{};
   for (int64_t k = 0; k < K; ++k) {
     V b[NV];
-    for (int v = 0; v < NV; ++v) std::memcpy(&b[v], B + k * ldb + v * W, sizeof(V));
+    for (int v = 0; v < NV; ++v) b[v] = load_vector<T>(B + k * ldb + v * W);
     for (int i = 0; i < MR; ++i) {
       const T a = A[i * ars + k * acs];
       for (int v = 0; v < NV; ++v) acc[i][v] += a * b[v];
@@ -72,8 +87,8 @@ inline void tile(T* C, int64_t ldc, const T* A, int64_t ars, int64_t acs, const 
 }
 
 // Runtime row count m in [1, MR] -> tile<T, m, NV>.
-template <typename T, int NV, int MR = kMR>
-inline void tile_rows(int m, T* C, int64_t ldc, const T* A, int64_t ars, int64_t acs, const T* B, int64_t ldb,
+template <typename T, int NV, int MR = kMR, typename TB>
+inline void tile_rows(int m, T* C, int64_t ldc, const T* A, int64_t ars, int64_t acs, const TB* B, int64_t ldb,
                       int64_t K, T alpha, bool accumulate) {
   if constexpr (MR > 0) {
     if (m == MR)
@@ -84,8 +99,8 @@ inline void tile_rows(int m, T* C, int64_t ldc, const T* A, int64_t ars, int64_t
 }
 
 // Columns [j0, j0 + NV * width) of all M rows.
-template <typename T, int NV>
-inline void panel(T* C, int64_t ldc, const T* A, int64_t ars, int64_t acs, const T* B, int64_t ldb, int64_t M,
+template <typename T, int NV, typename TB>
+inline void panel(T* C, int64_t ldc, const T* A, int64_t ars, int64_t acs, const TB* B, int64_t ldb, int64_t M,
                   int64_t K, T alpha, bool accumulate) {
   for (int64_t i = 0; i < M; i += kMR)
     tile_rows<T, NV>(static_cast<int>(std::min<int64_t>(kMR, M - i)), C + i * ldc, ldc, A + i * ars, ars, acs, B,
@@ -93,8 +108,8 @@ inline void panel(T* C, int64_t ldc, const T* A, int64_t ars, int64_t acs, const
 }
 
 // Runtime vector count nv in [1, NV] -> panel<T, nv>.
-template <typename T, int NV = kNV>
-inline void panel_vectors(int nv, T* C, int64_t ldc, const T* A, int64_t ars, int64_t acs, const T* B,
+template <typename T, int NV = kNV, typename TB>
+inline void panel_vectors(int nv, T* C, int64_t ldc, const T* A, int64_t ars, int64_t acs, const TB* B,
                           int64_t ldb, int64_t M, int64_t K, T alpha, bool accumulate) {
   if constexpr (NV > 0) {
     if (nv == NV)
@@ -105,9 +120,10 @@ inline void panel_vectors(int nv, T* C, int64_t ldc, const T* A, int64_t ars, in
 }
 
 // C (M, N) = alpha * A B (accumulate = false) or C += alpha * A B (accumulate = true).
-// A (M, K): element (i, k) at A[i * ars + k * acs]; B (K, N): element (k, j) at B[k * ldb + j]; C row stride ldc.
-template <typename T>
-void gemm_rows(T* C, int64_t ldc, const T* A, int64_t ars, int64_t acs, const T* B, int64_t ldb, int64_t M,
+// A (M, K): element (i, k) at A[i * ars + k * acs]; B (K, N): element (k, j) at B[k * ldb + j] (of T, or read into
+// T from a half-precision type); C row stride ldc.
+template <typename T, typename TB>
+void gemm_rows(T* C, int64_t ldc, const T* A, int64_t ars, int64_t acs, const TB* B, int64_t ldb, int64_t M,
                int64_t N, int64_t K, T alpha, bool accumulate) {
   constexpr int W = Vec<T>::width;
   int64_t j = 0;
@@ -119,7 +135,7 @@ void gemm_rows(T* C, int64_t ldc, const T* A, int64_t ars, int64_t acs, const T*
   for (int64_t i = 0; i < M; ++i)  // the last N % W columns
     for (int64_t jj = j; jj < N; ++jj) {
       T sum = 0;
-      for (int64_t k = 0; k < K; ++k) sum += A[i * ars + k * acs] * B[k * ldb + jj];
+      for (int64_t k = 0; k < K; ++k) sum += A[i * ars + k * acs] * load(B[k * ldb + jj]);
       C[i * ldc + jj] = accumulate ? C[i * ldc + jj] + alpha * sum : alpha * sum;
     }
 }
@@ -217,9 +233,9 @@ void gemm(T* C, int64_t ldc, Operand<T> A, const PackedB<T>& B, int64_t M, int64
 }
 
 // The same product with B (K, N) row-major, row stride ldb, read where it lies: for a few rows of A, too few to
-// pay for a packed copy.
-template <typename T>
-void gemm_unpacked(T* C, int64_t ldc, Operand<T> A, const T* B, int64_t ldb, int64_t M, int64_t N, int64_t K,
+// pay for a packed copy. B of T, or of a half-precision type whose compute type is T (read into T).
+template <typename T, typename TB>
+void gemm_unpacked(T* C, int64_t ldc, Operand<T> A, const TB* B, int64_t ldb, int64_t M, int64_t N, int64_t K,
                    T alpha, Write write) {
   gemm_detail::gemm_rows(C, ldc, A.data, A.rs, A.cs, B, ldb, M, N, K, alpha, write == Write::accumulate);
 }

@@ -135,9 +135,9 @@ struct PackedPairs {
       const int64_t w = width(j0), cols = std::min(kPanel, N - j0);
       uint32_t* dst = panel_mut(j0);
       int64_t p = 0;
-      if (cols == w) {  // 16 x 16 blocks of words transposed in registers
-        for (; p + 16 <= full; p += 16)
-          for (int64_t j = 0; j < w; j += 16) {
+      if (cols == w) {  // 16 x 16 blocks of words transposed in registers, 16 rows read through at a time
+        for (int64_t j = 0; j < w; j += 16)
+          for (p = 0; p + 16 <= full; p += 16) {
             __m512i r[16];
             for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_si512(words + (j0 + j + i) * ldw + p);
             transpose16(r);
