@@ -257,7 +257,8 @@ void forward(const View4<Q>& out, compute_t<T>* logsumexp, const View4<const Q>&
       true);
 }
 
-template <typename P, typename T>
+// The backward, its products P's but dS's, E's (attention_products.hpp).
+template <typename P, typename E, typename T>
 void backward(const View4<T>& dq, const View4<T>& dk, const View4<T>& dv, compute_t<T>* dsinks,
               const View4<const T>& dout, const View4<const T>& out, const compute_t<T>* logsumexp,
               const View4<const T>& q, const View4<const T>& k, const View4<const T>& v, const AttnConfig<T>& cfg) {
@@ -266,16 +267,18 @@ void backward(const View4<T>& dq, const View4<T>& dk, const View4<T>& dv, comput
   // Summed in a fixed order (not Eigen's alignment-dependent reduction) so that results are reproducible. For
   // float and double from dout and out; for the half-precision types from the blocks' P and dP, in a first pass
   // over the blocks (delta_pass below): the output was rounded to half precision, and delta from it would carry
-  // that rounding into every dS = P (dP - delta), dq and dk (up to 5 times PyTorch's math-backend error).
+  // that rounding into every dS = P (dP - delta), dq and dk (up to 5 times PyTorch's math-backend error). With
+  // cfg.reduced_precision (bfloat16), from the rounded output all the same, as PyTorch's CPU flash kernel does.
+  const bool delta_from_blocks = is_half<T> && !(std::is_same_v<T, bfloat16> && cfg.reduced_precision);
   std::vector<C> delta(cfg.lse_size());
-  if constexpr (!is_half<T>)
+  if (!delta_from_blocks)
     parallel_for(cfg.N * cfg.Hq, cfg.lse_size() * cfg.Dv, [&](int64_t nh) {
       const int64_t n = nh / cfg.Hq, h = nh % cfg.Hq;
       const Visible vis = cfg.seq(n);
       for (int64_t i = 0; i < vis.L; ++i) {
         const T *do_row = dout.at(n, h, vis.q0 + i), *o_row = out.at(n, h, vis.q0 + i);
         C sum = 0;
-        for (int64_t c = 0; c < cfg.Dv; ++c) sum += do_row[c] * o_row[c];
+        for (int64_t c = 0; c < cfg.Dv; ++c) sum += load(do_row[c]) * load(o_row[c]);
         delta[cfg.lse_index(n, h, i)] = sum;
       }
     });
@@ -290,7 +293,6 @@ void backward(const View4<T>& dq, const View4<T>& dk, const View4<T>& dv, comput
         [&](int64_t task) {
           const int64_t n = task / cfg.Hk, hk = task % cfg.Hk, g = cfg.group();
           const Visible vis = cfg.seq(n);
-          using E = typename P::Exact;                       // the products of dS (attention_products.hpp)
           thread_local typename P::Packed kt, vt, dop;       // k_blk^T, v_blk^T; dout_blk
           thread_local typename E::Packed kp, qp;            // k_blk, q_blk
           thread_local typename P::Buffer q_buf, do_buf, w_buf;  // the blocks' rows; the weights as an operand
@@ -361,7 +363,7 @@ void backward(const View4<T>& dq, const View4<T>& dk, const View4<T>& dv, comput
         },
         true);
   };
-  if constexpr (is_half<T>) pass(true);
+  if (delta_from_blocks) pass(true);
   // The sinks' gradient: dsink_h = -sum_(n, i) P_(n,h,i),sink delta_(n,h,i)  <- the sink takes no value
   if (cfg.sinks && dsinks) {
     std::vector<C> dsink_nh(cfg.N * cfg.Hq);
@@ -403,10 +405,13 @@ void sdpa_backward(const View4<T>& dq, const View4<T>& dk, const View4<T>& dv, c
                    const AttnConfig<T>& cfg) {
 #if defined(__AVX512BF16__)
   if constexpr (std::is_same_v<T, bfloat16>)
-    if (PairProducts::fit({&q, &k, &v, &dout}, {cfg.D, cfg.Dv}))
-      return backward<PairProducts>(dq, dk, dv, dsinks, dout, out, logsumexp, q, k, v, cfg);
+    if (PairProducts::fit({&q, &k, &v, &dout}, {cfg.D, cfg.Dv})) {
+      if (cfg.reduced_precision)
+        return backward<PairProducts, PairProducts>(dq, dk, dv, dsinks, dout, out, logsumexp, q, k, v, cfg);
+      return backward<PairProducts, BlockProducts<T>>(dq, dk, dv, dsinks, dout, out, logsumexp, q, k, v, cfg);
+    }
 #endif
-  backward<BlockProducts<T>>(dq, dk, dv, dsinks, dout, out, logsumexp, q, k, v, cfg);
+  backward<BlockProducts<T>, BlockProducts<T>>(dq, dk, dv, dsinks, dout, out, logsumexp, q, k, v, cfg);
 }
 
 template <typename T>

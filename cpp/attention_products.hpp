@@ -5,7 +5,10 @@
 // - PairProducts (the avx512_bf16 level, bfloat16 arrays): on bfloat16 pairs with vdpbf16ps (gemm_bf16.hpp), the
 //   queries, keys, values and output gradients read as they lie, the weights P rounded to bfloat16 for their
 //   products (as PyTorch's CPU flash attention does in bfloat16); twice the multiply-adds per instruction of
-//   float's FMA. The products of the scores' gradient dS stay float's (Exact).
+//   float's FMA.
+// The backward takes the products of the scores' gradient dS from a policy of their own (attention.cpp): dS is a
+// difference of nearly equal terms, P (dP - delta), and rounded to bfloat16 it doubled the error of dq and dk
+// against PyTorch's float32-internal math backend, so they are BlockProducts' unless reduced precision is asked.
 // Each has: Rows, an A operand of rows of an input (a query block, an output-gradient block); Packed, a packed B
 // operand; Buffer, a thread's scratch for either; and the products the attention needs.
 
@@ -43,7 +46,6 @@ bool values_in_place(compute_t<T>* acc, const RowMat<compute_t<T>>& w, const Vie
 template <typename T>
 struct BlockProducts {
   using C = compute_t<T>;
-  using Exact = BlockProducts;  // the products whose operands must not be rounded (dS's): these
   using Packed = PackedB<C>;
   using Buffer = RowMat<C>;
   struct Rows {
@@ -115,9 +117,6 @@ struct BlockProducts {
 struct PairProducts {
   using T = bfloat16;
   using C = float;
-  // The gradient of the scores, dS = P (dP - delta), is a difference of nearly equal terms: rounded to bfloat16
-  // it doubled the error of dq and dk against PyTorch's (float) math backend. Its products are float's.
-  using Exact = BlockProducts<bfloat16>;
   using Packed = PackedPairs;
   using Buffer = std::vector<uint32_t>;
   struct Rows {

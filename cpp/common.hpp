@@ -148,6 +148,9 @@ struct AttnConfig {
   uint64_t seed = 0;
   std::vector<MaskView<T>> masks;  // summed into the scores
   int64_t window_left = -1, window_right = -1;  // sliding window (FlashAttention's window_size), -1 unbounded
+  // bfloat16 only: the backward with PyTorch's CPU flash attention's numerics (delta from the rounded output; at
+  // avx512_bf16 the scores' gradient rounded to bfloat16 for its products): faster, less accurate.
+  bool reduced_precision = false;
   C softcap = 0;                   // > 0: scores become softcap * tanh(scores / softcap) (Gemma 2), before masks
   const C* alibi = nullptr;        // ALiBi slopes: score -= alibi[n * alibi_n + h] * |i + S - L - j|
   int64_t alibi_n = 0;

@@ -27,6 +27,7 @@ import numpy as np
 import pytest
 import torch
 
+import attnpp
 import attnpp.functional as AF
 from attnpp.testing import ReplayDropout, rotary_reference, to_tensor, variant_scores
 from helpers import LARGEST, max_rel_err, reference
@@ -278,6 +279,39 @@ def test_sdpa(dt, name):
     assert (ours["output"][empty] == 0).all() and (ours["grad_query"][empty] == 0).all()
     if name.startswith("fully_masked") or name == "causal_bottom_right_L>S":
         assert empty.any()
+
+
+FLASH_CASES = [name for name in CASES if name.endswith("_D=Dv") and name != "gqa_D=Dv"]
+
+
+@pytest.fixture
+def reduced_precision():
+    """attnpp.allow_reduced_precision_attention(True) for the test, then the setting as it was."""
+    before = attnpp.reduced_precision_attention_allowed()
+    attnpp.allow_reduced_precision_attention(True)
+    yield
+    attnpp.allow_reduced_precision_attention(before)
+
+
+@pytest.mark.parametrize("name", FLASH_CASES)
+def test_sdpa_reduced_precision(name, reduced_precision):
+    """With allow_reduced_precision_attention(True), the bfloat16 backward has the numerics of PyTorch's CPU flash
+    attention (delta from the rounded output; at avx512_bf16, dS rounded to bfloat16): within the bound of
+    PyTorch's flash kernel's errors, on the cases where PyTorch takes it (D = Dv, no GQA)."""
+    dt = BF16
+    q, k, v, kw, keep, rng = materialize(dt, name)
+    out, lse, _ = AF.scaled_dot_product_attention_forward(q, k, v, **kw)
+    g = rng.standard_normal(out.shape).astype(dt)
+    grads = AF.scaled_dot_product_attention_backward(g, q, k, v, out, lse, **kw)
+    ours = dict(zip(["grad_query", "grad_key", "grad_value"], batched(*grads)))
+    bq, bk, bv, bg = batched(q, k, v, g)
+    names = list(ours)
+    ref = {n: attention_results(bq, bk, bv, bg, kw, torch.float64, keep)[n] for n in names}
+    theirs = attention_results(bq, bk, bv, bg, kw, TORCH_HALF[dt], keep)
+    check("scaled_dot_product_attention_backward (reduced precision)", dt, ours, ref, theirs)
+    attnpp.allow_reduced_precision_attention(False)
+    accurate = AF.scaled_dot_product_attention_backward(g, q, k, v, out, lse, **kw)
+    assert any(not np.array_equal(a, b) for a, b in zip(grads, accurate))  # the setting took effect
 
 
 WEIGHT_CASES = ["plain", "causal_bottom_right_L>S", "fully_masked_rows", "float_mask", "gqa", "dropout",

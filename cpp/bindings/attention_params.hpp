@@ -33,6 +33,7 @@ struct AttentionParams {
   std::vector<AttentionMask> masks;             // summed into the scores
   int64_t window_left = -1, window_right = -1;  // keys [i + S - L - left, i + S - L + right]; -1 unbounded
   double softcap = 0.0;                         // 0: none
+  bool reduced_precision = false;               // bfloat16: the backward as PyTorch's flash kernel
   py::object alibi_slopes = py::none();         // (1 or N, Hq) of the compute dtype (float32 for the halves)
   py::object sinks = py::none();                // (Hq,) of the compute dtype
   py::object cu_seqlens_q = py::none(), cu_seqlens_k = py::none();  // (N + 1,) int64: packed sequences
@@ -62,6 +63,7 @@ struct Problem {
       throw py::value_error("causal: not a Causal value");
     cfg.scale = compute_t<T>(p.scale), cfg.causal = p.causal, cfg.dropout_p = p.dropout_p, cfg.seed = p.seed;
     cfg.window_left = p.window_left, cfg.window_right = p.window_right, cfg.softcap = compute_t<T>(p.softcap);
+    cfg.reduced_precision = p.reduced_precision;
     for (const auto& m : p.masks) add_mask(m);
     if (!p.alibi_slopes.is_none()) {
       const auto a = *optional_array(p.alibi_slopes, "alibi_slopes");

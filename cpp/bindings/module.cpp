@@ -412,6 +412,7 @@ PYBIND11_MODULE(_core, m) {
       .def_readwrite("window_left", &AttentionParams::window_left)
       .def_readwrite("window_right", &AttentionParams::window_right)
       .def_readwrite("softcap", &AttentionParams::softcap)
+      .def_readwrite("reduced_precision", &AttentionParams::reduced_precision)
       .def_readwrite("alibi_slopes", &AttentionParams::alibi_slopes)
       .def_readwrite("sinks", &AttentionParams::sinks)
       .def_readwrite("cu_seqlens_q", &AttentionParams::cu_seqlens_q)

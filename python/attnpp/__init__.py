@@ -6,6 +6,7 @@ checked against PyTorch. See ``attnpp.functional`` (stateless functions) and ``a
 import importlib.metadata
 import numbers
 
+from ._checks import check_bool
 from ._core import get_num_threads
 from ._seeds import get_rng_state, manual_seed, set_rng_state
 from .grad_mode import enable_grad, is_grad_enabled, no_grad
@@ -24,6 +25,31 @@ def set_num_threads(n):
     if not isinstance(n, numbers.Integral) or isinstance(n, bool):
         raise TypeError(f"set_num_threads: n must be an int, got {n!r} ({type(n).__name__})")
     _core.set_num_threads(int(n))
+
+
+def allow_reduced_precision_attention(enabled):
+    """Whether the attention's backward in bfloat16 may trade accuracy for speed, as PyTorch's
+    ``torch.backends.cuda.allow_fp16_bf16_reduction_math_sdp`` does (one setting for the process; default False).
+
+    False (the default): the backward takes the softmax term rowsum(dO * O) from the weights in float32, in a
+    pass of its own over the blocks, and multiplies the scores' gradient dS in float32; its errors stay within
+    1.5 times PyTorch's in the same dtype whichever PyTorch backend runs (tests/test_half.py). True: the numerics of
+    PyTorch's CPU flash attention: rowsum(dO * O) from the rounded output, and at the ``avx512_bf16`` level dS
+    rounded to bfloat16 for its products with K and Q (``vdpbf16ps``); the bfloat16 backward then runs faster (the
+    benchmark's ``reduced precision`` rows), and dq and dk carry PyTorch's flash kernel's errors: up to 2 to 5
+    times those of PyTorch's float32-internal math backend (which PyTorch takes when the value width differs from
+    the query's). float16 (whose accurate backward is already several times PyTorch's speed), float32 and float64
+    are not affected, nor is the forward.
+
+    Raises:
+        TypeError: ``enabled`` not a bool.
+    """
+    functional._REDUCED_PRECISION = check_bool(enabled, "enabled")
+
+
+def reduced_precision_attention_allowed():
+    """The setting of ``allow_reduced_precision_attention`` (False by default)."""
+    return functional._REDUCED_PRECISION
 
 
 def cpu_capability():
@@ -82,7 +108,8 @@ def empty_cache():
 
 
 __all__ = ["functional", "nn", "optim", "manual_seed", "get_rng_state", "set_rng_state", "no_grad", "enable_grad",
-           "is_grad_enabled", "set_num_threads", "get_num_threads", "empty_cache", "cpu_capability", "show_config"]
+           "is_grad_enabled", "set_num_threads", "get_num_threads", "empty_cache", "cpu_capability", "show_config",
+           "allow_reduced_precision_attention", "reduced_precision_attention_allowed"]
 # The version is written once, in pyproject.toml; the install (scikit-build-core) copies it into the package's
 # metadata, read here. attnpp is importable only installed (its _core is built by the install, editable or not).
 __version__ = importlib.metadata.version("attnpp")

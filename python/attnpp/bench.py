@@ -311,9 +311,21 @@ def attention_calls(sides, backward):
     return attnpp_call, torch_forward_backward(lambda: sides.torch_forward(*leaves), leaves, tg)
 
 
-def kernel_calls(shape, causal, backward, dtype=np.float32):
-    """(attnpp call, PyTorch call) of the kernel on random (B, H, L, D) query, key and value of ``dtype``."""
-    return attention_calls(sdpa_sides(random_inputs(shape, dtype), is_causal=causal), backward)
+def kernel_calls(shape, causal, backward, dtype=np.float32, reduced_precision=False):
+    """(attnpp call, PyTorch call) of the kernel on random (B, H, L, D) query, key and value of ``dtype``; attnpp's
+    under ``attnpp.allow_reduced_precision_attention(reduced_precision)``."""
+    attnpp_call, torch_call = attention_calls(sdpa_sides(random_inputs(shape, dtype), is_causal=causal), backward)
+    if not reduced_precision:
+        return attnpp_call, torch_call
+
+    def reduced_call():
+        before = attnpp.reduced_precision_attention_allowed()
+        attnpp.allow_reduced_precision_attention(True)
+        try:
+            attnpp_call()
+        finally:
+            attnpp.allow_reduced_precision_attention(before)
+    return reduced_call, torch_call
 
 
 def sliding_window(q_idx, kv_idx, window):
@@ -642,15 +654,20 @@ def variant_cases(size, quick, float32_decode=None):
 
 
 def half_cases(size, repeats, float32_growth, float32_decode):
-    """Issue 21's cases, in bfloat16 and float16: the kernel cases (target HALF_TARGET), the memory case in
-    bfloat16, MultiheadAttention and the decode step (bfloat16's target: 2 against PyTorch)."""
+    """Issue 21's cases, in bfloat16 and float16: the kernel cases (target HALF_TARGET; bfloat16's forward +
+    backward also under allow_reduced_precision_attention, PyTorch's flash numerics), the memory case in bfloat16,
+    MultiheadAttention and the decode step (bfloat16's target: 2 against PyTorch)."""
     cases = []
     for dtype, (np_dtype, _) in HALVES.items():
-        for backward in (False, True):
+        for backward, reduced in ((False, False), (True, False), (True, True)):
+            if reduced and dtype != "bfloat16":
+                continue
             kind = "fwd+bwd" if backward else "fwd"
             for shape, causal in size["kernel"]:
-                cases.append(Case(f"sdpa {kind} {fmt_shape(shape)}{' causal' if causal else ''} {dtype}",
-                                  lambda s=shape, c=causal, b=backward, d=np_dtype: kernel_calls(s, c, b, d),
+                cases.append(Case(f"sdpa {kind} {fmt_shape(shape)}{' causal' if causal else ''} {dtype}"
+                                  f"{' reduced precision' if reduced else ''}",
+                                  lambda s=shape, c=causal, b=backward, d=np_dtype, r=reduced:
+                                  kernel_calls(s, c, b, d, r),
                                   flops=kernel_flops(shape, causal, backward), target=HALF_TARGET, issue=21,
                                   dtype=dtype))
         if dtype == "bfloat16":
