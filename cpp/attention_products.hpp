@@ -11,23 +11,22 @@
 // against PyTorch's float32-internal math backend, so they are BlockProducts' unless reduced precision is asked.
 // Each has: Rows, an A operand of rows of an input (a query block, an output-gradient block); Packed, a packed B
 // operand; Buffer, a thread's scratch for either; and the products the attention needs.
-
-// Rows r0.. of an A operand.
-template <typename Rows>
-Rows offset(Rows a, int64_t r0) {
-  return {a.data + r0 * a.ld, a.ld};
-}
 #pragma once
 
-#include <tuple>
-#include <type_traits>
-#include <utility>
+#include <cstring>
+#include <initializer_list>
 #include <vector>
 
 #include "gemm.hpp"
 #include "gemm_bf16.hpp"
 
 namespace attnpp::ATTNPP_CPU_NS {
+
+// Rows r0.. of an A operand (either policy's Rows).
+template <typename Rows>
+Rows offset(Rows a, int64_t r0) {
+  return {a.data + r0 * a.ld, a.ld};
+}
 
 // acc (rows of w, Dv) += w v_blk, v_blk = rows [r0, r0 + w.cols()) of head (n, hk) of v read in place (into the
 // compute type), when w has a few rows (a decoding step's): a packed copy of the values would serve too few rows to
@@ -125,10 +124,10 @@ struct PairProducts {
   };
   static constexpr int64_t kPanel = Packed::kPanel;
 
-  // Whether the arrays' rows can be read as pairs: even row widths and strides, 4-byte aligned data.
+  // Whether the arrays' rows can be read as pairs: even (and nonzero) row widths and strides, 4-byte aligned data.
   static bool fit(std::initializer_list<const View4<const T>*> arrays, std::initializer_list<int64_t> widths) {
     for (const int64_t w : widths)
-      if (w % 2) return false;
+      if (w % 2 || w == 0) return false;
     for (const auto* a : arrays)
       if ((a->n | a->h | a->row) % 2 || reinterpret_cast<uintptr_t>(a->data) % 4) return false;
     return true;

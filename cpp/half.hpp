@@ -114,7 +114,7 @@ inline float16 store<float16>(float x) {
 template <typename T>
 inline void load_n(compute_t<T>* dst, const T* src, int64_t n) {
   if constexpr (!is_half<T>) {
-    std::memcpy(dst, src, sizeof(T) * std::size_t(n));
+    if (n > 0) std::memcpy(dst, src, sizeof(T) * std::size_t(n));  // (an empty row's pointers may be null)
   } else {
     int64_t i = 0;
 #if defined(__F16C__)
@@ -128,7 +128,7 @@ inline void load_n(compute_t<T>* dst, const T* src, int64_t n) {
 template <typename T>
 inline void store_n(T* dst, const compute_t<T>* src, int64_t n) {
   if constexpr (!is_half<T>) {
-    std::memcpy(dst, src, sizeof(T) * std::size_t(n));
+    if (n > 0) std::memcpy(dst, src, sizeof(T) * std::size_t(n));
   } else {
     int64_t i = 0;
 #if defined(__F16C__)
