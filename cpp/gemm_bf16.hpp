@@ -20,6 +20,7 @@
 #include <cstdint>
 #include <cstring>
 #include <memory>
+#include <vector>
 
 #include "gemm.hpp"
 #include "half.hpp"
@@ -253,6 +254,36 @@ inline void to_pair_columns(uint32_t* out, const float* a, int64_t lda, int64_t 
     }
     for (; c < cols; ++c) o[c] = pairs_detail::pair(store<bfloat16>(x[c]), store<bfloat16>(y ? y[c] : 0.f));
   }
+}
+
+// The same from a bfloat16 matrix, as it is (no rounding): the A operand dy^T of a linear layer's weight gradient.
+inline void to_pair_columns(uint32_t* out, const bfloat16* a, int64_t lda, int64_t rows, int64_t cols) {
+  for (int64_t p = 0; p < (rows + 1) / 2; ++p) {
+    const bfloat16 *x = a + 2 * p * lda, *y = 2 * p + 1 < rows ? x + lda : nullptr;
+    for (int64_t c = 0; c < cols; ++c) out[p * cols + c] = pairs_detail::pair(x[c], y ? y[c] : bfloat16{0});
+  }
+}
+
+// C (M, N) = A (M, K2 pairs) B, in blocks of up to kRows rows and one panel of B's columns, in parallel: each block
+// is computed into a float tile, then handed to out(i0, j0, rows, cols, tile, ld) to be written (rounded, biased,
+// added...). Each element is summed over the pairs in order by one thread: the result does not depend on the
+// thread count.
+template <typename Out>
+void gemm_pairs_parallel(PairOperand A, const PackedPairs& B, int64_t M, int64_t N, int64_t K2, Out&& out) {
+  constexpr int64_t kRows = 120;  // (a multiple of the micro-kernel's 6)
+  const int64_t m_blocks = ceil_div(M, kRows), n_blocks = ceil_div(N, B.kPanel);
+  parallel_for(
+      m_blocks * n_blocks, 2 * M * N * K2,
+      [&](int64_t block) {
+        const int64_t i0 = block / n_blocks * kRows, j0 = block % n_blocks * B.kPanel;
+        const int64_t rows = std::min(kRows, M - i0), cols = std::min(B.kPanel, N - j0);
+        thread_local std::vector<float> tile;
+        tile.resize(std::size_t(rows * B.kPanel));
+        gemm_pairs(tile.data(), B.kPanel, {A.data + i0 * A.rs, A.rs, A.cs}, B, rows, cols, K2, 1.f, Write::assign,
+                   0, j0);
+        out(i0, j0, rows, cols, tile.data(), B.kPanel);
+      },
+      true);
 }
 
 }  // namespace attnpp::ATTNPP_CPU_NS
