@@ -129,7 +129,7 @@ struct PairProducts {
     for (const int64_t w : widths)
       if (w % 2 || w == 0) return false;
     for (const auto* a : arrays)
-      if ((a->n | a->h | a->row) % 2 || reinterpret_cast<uintptr_t>(a->data) % 4) return false;
+      if ((a->n | a->h | a->row) % 2 || !pair_aligned(a->data)) return false;
     return true;
   }
 

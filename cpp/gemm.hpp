@@ -198,7 +198,7 @@ struct PackedB {
     int64_t k = 0;
     if (bcs == 1 && w == kPanel) {  // rows of one panel width: copies the compiler makes vector moves of
       for (; k < K; ++k) load_n(dst + k * kPanel, src + k * brs, kPanel);
-    } else if (brs == 1 && w == kPanel && std::is_same_v<S, T>) {  // a transposed view (K^T, V^T): square blocks
+    } else if (brs == 1 && w == kPanel) {  // a transposed view (K^T, V^T): square blocks
       namespace ei = Eigen::internal;  // of one vector's width transposed in registers by Eigen (ptranspose)
       using P = typename ei::packet_traits<T>::type;
       constexpr int W = ei::unpacket_traits<P>::size;

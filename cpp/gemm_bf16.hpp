@@ -40,6 +40,13 @@ inline uint32_t pair(const bfloat16* x) {
 }
 inline uint32_t pair(bfloat16 lo, bfloat16 hi) { return uint32_t(lo.bits) | uint32_t(hi.bits) << 16; }
 
+}  // namespace pairs_detail
+
+// Whether bfloat16 data can be read as pairs (32-bit words): 4-byte aligned.
+inline bool pair_aligned(const bfloat16* p) { return reinterpret_cast<uintptr_t>(p) % 4 == 0; }
+
+namespace pairs_detail {
+
 // C (MR, NV * 16) (+)= alpha * A (MR, K2 pairs) B (K2 pairs, NV * 16); columns at and past n_valid not stored.
 template <int MR, int NV>
 inline void tile(float* C, int64_t ldc, const uint32_t* A, int64_t ars, int64_t acs, const uint32_t* B, int64_t ldb,

@@ -4,7 +4,6 @@
 #include "linear.hpp"
 
 #include <cstdint>
-#include <initializer_list>
 #include <vector>
 
 #include "gemm.hpp"
@@ -39,17 +38,12 @@ void add_rounded(T* a, const compute_t<T>* c, int64_t n) {
 // bfloat16 on the avx512_bf16 level: the products with vdpbf16ps on the operands' pairs as they lie (inputs and
 // weights are bfloat16 already: the products are exact, the sums float), each output rounded once. Each returns
 // false, having done nothing, unless the widths whose pairs it reads are even and the arrays 4-byte aligned.
-bool aligned_pairs(std::initializer_list<const bfloat16*> arrays) {
-  for (const auto* a : arrays)
-    if (reinterpret_cast<uintptr_t>(a) % 4) return false;
-  return true;
-}
 const uint32_t* words(const bfloat16* a) { return reinterpret_cast<const uint32_t*>(a); }
 
 // y = x w^T + b: x's rows and w's rows as pairs along Fin.
 bool linear_forward_pairs(bfloat16* y, const bfloat16* x, const bfloat16* w, const bfloat16* b, int64_t M,
                           int64_t Fin, int64_t Fout) {
-  if (Fin % 2 || Fin == 0 || !aligned_pairs({x, w})) return false;
+  if (Fin % 2 || Fin == 0 || !pair_aligned(x) || !pair_aligned(w)) return false;
   PackedPairs wt;
   wt.pack_transposed(w, Fin, Fout, Fin);
   gemm_pairs_parallel({words(x), Fin / 2, 1}, wt, M, Fout, Fin / 2,
@@ -66,7 +60,7 @@ bool linear_forward_pairs(bfloat16* y, const bfloat16* x, const bfloat16* w, con
 // and of x), db += the column sums of dy (in float).
 bool linear_backward_pairs(bfloat16* dx, bfloat16* dw, bfloat16* db, const bfloat16* dy, const bfloat16* x,
                            const bfloat16* w, int64_t M, int64_t Fin, int64_t Fout) {
-  if (Fout % 2 || Fout == 0 || !aligned_pairs({dy, x, w})) return false;
+  if (Fout % 2 || Fout == 0 || !pair_aligned(dy) || !pair_aligned(x) || !pair_aligned(w)) return false;
   const auto add_into = [](bfloat16* a, int64_t lda) {
     return [a, lda](int64_t i0, int64_t j0, int64_t rows, int64_t cols, const float* tile, int64_t ld) {
       for (int64_t r = 0; r < rows; ++r)

@@ -25,6 +25,8 @@ import math
 import numpy as np
 import torch
 
+from .torch import from_numpy
+
 __all__ = ["to_tensor", "ReplayDropout", "variant_scores", "reference", "rotary_reference",
            "attention_layer_reference", "Article000CausalSelfAttention", "Article000MultiheadAttention",
            "Article001HelloWorldModel", "Article002SelfAttention", "Article002MultiHeadAttentionWrapper",
@@ -35,8 +37,8 @@ __all__ = ["to_tensor", "ReplayDropout", "variant_scores", "reference", "rotary_
 def to_tensor(x, grad=False, dtype=None):
     """A torch tensor copy of the array ``x`` (any shape; bool stays bool, integers stay integers; a floating
     array is cast to the torch ``dtype`` if given), a leaf requiring grad if ``grad``."""
-    x = np.array(x, order="C")
-    t = torch.from_numpy(x.view(np.uint16)).view(torch.bfloat16) if x.dtype.name == "bfloat16" else torch.tensor(x)
+    x = np.array(x, order="C")  # (a copy: from_numpy shares it)
+    t = from_numpy(x)
     if dtype is not None and t.is_floating_point():
         t = t.to(dtype)
     return t.requires_grad_() if grad else t
