@@ -163,7 +163,7 @@ class _Problem:
 
     def __init__(self, query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, seed,
                  causal_alignment, need_seed=False, has_value=True, window=None, alibi_slopes=None, softcap=None,
-                 sinks=None):
+                 sinks=None, key_padding_mask=None):
         query = check_array(query, "query", min_ndim=2)
         self.dtype = dtype = query.dtype
         key = check_array(key, "key", min_ndim=2, dtype=dtype)
@@ -189,6 +189,8 @@ class _Problem:
         self.v4 = np.zeros((self.N, self.Hk, self.S, 0), dtype) if value is None else \
             self._as4(value, self.Hk, self.S, self.Dv, self.v_repeat)
         masks = [] if attn_mask is None else [self._mask(attn_mask)]
+        if key_padding_mask is not None:
+            masks.append(self._key_padding(key_padding_mask))
         self.params = attention_params(
             self.batch, self.Hq, dtype, scale=score_scale(scale, self.D), causal=causal, dropout_p=dropout_p,
             seed=self.seed, masks=masks, window=window, alibi_slopes=alibi_slopes, softcap=softcap, sinks=sinks)
@@ -238,6 +240,20 @@ class _Problem:
                              f"{full_shape}") from None
         return mask_arg(m, full_shape)
 
+    def _key_padding(self, key_padding_mask):
+        """``key_padding_mask`` (B..., S) (bool: True = masked out; or float, added) as the core's mask over
+        (B..., Hq, L, S), without an (L, S) array."""
+        m = additive_mask(key_padding_mask, self.dtype, "key_padding_mask", true_means_masked=True)
+        full_shape = tuple(self.batch) + (self.Hq, self.L, self.S)
+        try:
+            if m.ndim == 0 or np.broadcast_shapes(m.shape, full_shape[:-3] + (self.S,)) != full_shape[:-3] + (
+                    self.S,):
+                raise ValueError
+        except ValueError:
+            raise ValueError(f"key_padding_mask: shape {key_padding_mask.shape} does not broadcast to (B..., S) = "
+                             f"{full_shape[:-3] + (self.S,)}") from None
+        return mask_arg(m.reshape(m.shape[:-1] + (1, 1, self.S)), full_shape)
+
     def _as4(self, x, H, rows, cols, repeat=1):
         """``x`` as (N, H, rows, cols), a view where possible; its heads repeated ``repeat`` times (GQA)."""
         x4 = np.broadcast_to(x, tuple(self.batch) + (H // repeat, rows, cols)).reshape(self.N, H // repeat, rows,
@@ -284,7 +300,7 @@ class AttentionForward(NamedTuple):
 def scaled_dot_product_attention_forward(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
                                          scale=None, enable_gqa=False, *, seed=None,
                                          causal_alignment="top_left", window=None, alibi_slopes=None, softcap=None,
-                                         sinks=None):
+                                         sinks=None, key_padding_mask=None):
     """Attention forward that also returns what the backward needs.
 
     ``softmax(scale * query key^T + attn_mask) value``, with dropout on the weights.
@@ -308,7 +324,8 @@ def scaled_dot_product_attention_forward(query, key, value, attn_mask=None, drop
     says.
     """
     p = _Problem(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, seed, causal_alignment,
-                 window=window, alibi_slopes=alibi_slopes, softcap=softcap, sinks=sinks)
+                 window=window, alibi_slopes=alibi_slopes, softcap=softcap, sinks=sinks,
+                 key_padding_mask=key_padding_mask)
     out = _empty((p.N, p.Hq, p.L, p.Dv), p.dtype)
     lse = np.empty((p.N, p.Hq, p.L), compute_dtype(p.dtype))
     _core.sdpa_forward(out, lse, p.q4, p.k4, p.v4, p.params)
@@ -318,7 +335,7 @@ def scaled_dot_product_attention_forward(query, key, value, attn_mask=None, drop
 
 def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
                                  enable_gqa=False, *, seed=None, causal_alignment="top_left", window=None,
-                                 alibi_slopes=None, softcap=None, sinks=None):
+                                 alibi_slopes=None, softcap=None, sinks=None, key_padding_mask=None):
     """Scaled dot-product attention, as ``torch.nn.functional.scaled_dot_product_attention``.
 
     ``softmax(scale * query key^T + attn_mask) value``, with dropout on the weights. For training, the forward
@@ -361,6 +378,10 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
             Language Models with Attention Sinks", 2023): (Hq,), the query's dtype, a learned logit per head that
             joins every softmax's denominator and takes no value: the weights of a row sum to
             1 - exp(sink - logsumexp). The backward returns its gradient. Default: None.
+        key_padding_mask (ndarray, optional): (B..., S), or (S,): padded keys, as ``torch.nn.MultiheadAttention``'s.
+            Boolean: True where a key is *masked out* (padding); float (the query's dtype): added to every
+            query's scores. Unlike ``attn_mask`` it combines with ``is_causal`` and takes no (L, S) array, so a
+            padded batch keeps the causal block skipping. Default: None.
 
     Returns:
         output (ndarray): (B..., Hq, L, Dv), or (L, Dv) unbatched.
@@ -369,8 +390,9 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
         TypeError: query, key or value not an ndarray of one of those dtypes, mixed dtypes (naming the argument
             and both dtypes), a mask of another dtype than bool or the query's, is_causal or enable_gqa not a bool.
         ValueError: shapes that do not agree or broadcast (named with their shapes), a mask that does not
-            broadcast to (B..., Hq, L, S), dropout_p outside [0, 1), attn_mask given with is_causal=True, a window
-            side below -1, a negative or infinite softcap, alibi_slopes or sinks of another shape than (Hq,).
+            broadcast to (B..., Hq, L, S) or a key_padding_mask to (B..., S), dropout_p outside [0, 1), attn_mask
+            given with is_causal=True, a window side below -1, a negative or infinite softcap, alibi_slopes or sinks
+            of another shape than (Hq,).
         MemoryError: a problem too large to allocate.
 
     A query row whose keys are all masked gives output 0 and gradient 0, never NaN (as PyTorch >= 2.5).
@@ -397,13 +419,13 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     return scaled_dot_product_attention_forward(query, key, value, attn_mask, dropout_p, is_causal, scale,
                                                 enable_gqa, seed=seed, causal_alignment=causal_alignment,
                                                 window=window, alibi_slopes=alibi_slopes, softcap=softcap,
-                                                sinks=sinks)[0]
+                                                sinks=sinks, key_padding_mask=key_padding_mask)[0]
 
 
 def scaled_dot_product_attention_backward(grad_output, query, key, value, output, logsumexp, attn_mask=None,
                                           dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False, *,
                                           seed=None, causal_alignment="top_left", window=None, alibi_slopes=None,
-                                          softcap=None, sinks=None):
+                                          softcap=None, sinks=None, key_padding_mask=None):
     """Gradients of ``scaled_dot_product_attention_forward``.
 
     Recomputes each block of attention weights from ``logsumexp`` (FlashAttention-2's backward): memory grows
@@ -433,6 +455,7 @@ def scaled_dot_product_attention_backward(grad_output, query, key, value, output
         alibi_slopes (ndarray, optional): as given to the forward, (Hq,) or (B..., Hq). Default: None.
         softcap (float, optional): as given to the forward. Default: None.
         sinks (ndarray, optional): as given to the forward, (Hq,); its gradient is returned. Default: None.
+        key_padding_mask (ndarray, optional): as given to the forward, (B..., S). Default: None.
 
     Returns:
         (grad_query, grad_key, grad_value), each of its input's shape (summed over broadcast dimensions); with
@@ -451,7 +474,8 @@ def scaled_dot_product_attention_backward(grad_output, query, key, value, output
     says.
     """
     p = _Problem(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, seed, causal_alignment,
-                 need_seed=True, window=window, alibi_slopes=alibi_slopes, softcap=softcap, sinks=sinks)
+                 need_seed=True, window=window, alibi_slopes=alibi_slopes, softcap=softcap, sinks=sinks,
+                 key_padding_mask=key_padding_mask)
     arrays = []
     for name, arr, shape in (("grad_output", grad_output, p.out_shape(p.L, p.Dv)),
                              ("output", output, p.out_shape(p.L, p.Dv)),
@@ -474,7 +498,8 @@ def scaled_dot_product_attention_backward(grad_output, query, key, value, output
 
 def scaled_dot_product_attention_weights(query, key, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
                                          enable_gqa=False, *, seed=None, causal_alignment="top_left",
-                                         logsumexp=None, window=None, alibi_slopes=None, softcap=None, sinks=None):
+                                         logsumexp=None, window=None, alibi_slopes=None, softcap=None, sinks=None,
+                                         key_padding_mask=None):
     """The attention weights ``softmax(scale * query key^T + attn_mask)``.
 
     Materializes (B..., Hq, L, S): for inspection and plots, not needed by the forward or backward. With
@@ -482,7 +507,7 @@ def scaled_dot_product_attention_weights(query, key, attn_mask=None, dropout_p=0
 
     Args:
         query, key, attn_mask, dropout_p, is_causal, scale, enable_gqa, seed, causal_alignment, window,
-            alibi_slopes, softcap, sinks: as ``scaled_dot_product_attention``'s (seed: the forward's, for the
+            alibi_slopes, softcap, sinks, key_padding_mask: as ``scaled_dot_product_attention``'s (seed: the forward's, for the
             weights it used).
         logsumexp (ndarray, optional): (B..., Hq, L), the forward's, saves recomputing it. Default: None.
 
@@ -502,7 +527,8 @@ def scaled_dot_product_attention_weights(query, key, attn_mask=None, dropout_p=0
     says.
     """
     p = _Problem(query, key, None, attn_mask, dropout_p, is_causal, scale, enable_gqa, seed, causal_alignment,
-                 has_value=False, window=window, alibi_slopes=alibi_slopes, softcap=softcap, sinks=sinks)
+                 has_value=False, window=window, alibi_slopes=alibi_slopes, softcap=softcap, sinks=sinks,
+                 key_padding_mask=key_padding_mask)
     weights = _empty((p.N, p.Hq, p.L, p.S), p.dtype)  # first: a MemoryError before any work
     if logsumexp is None:  # a forward with Dv = 0 computes the log-sum-exp alone
         lse = np.empty((p.N, p.Hq, p.L), compute_dtype(p.dtype))

@@ -168,7 +168,7 @@ class _RotaryFunction(torch.autograd.Function):
 
 
 def _attention(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, seed, causal_alignment,
-               need_weights=False, window=None, alibi_slopes=None, softcap=None, sinks=None):
+               need_weights=False, window=None, alibi_slopes=None, softcap=None, sinks=None, key_padding_mask=None):
     """The checked attention call of every public entry: (output, weights or None, the dropout seed or None)."""
     for t, name in ((query, "query"), (key, "key"), (value, "value")):
         _check_tensor(t, name)
@@ -178,7 +178,9 @@ def _attention(query, key, value, attn_mask, dropout_p, is_causal, scale, enable
         _check_tensor(sinks, "sinks")
     if isinstance(alibi_slopes, torch.Tensor):  # (slopes are constants: no gradient)
         alibi_slopes = to_numpy(_check_tensor(alibi_slopes, "alibi_slopes"))
-    options = dict(window=window, alibi_slopes=alibi_slopes, softcap=softcap)
+    if key_padding_mask is not None:  # (a constant too)
+        key_padding_mask = to_numpy(_check_tensor(key_padding_mask, "key_padding_mask", mask=True))
+    options = dict(window=window, alibi_slopes=alibi_slopes, softcap=softcap, key_padding_mask=key_padding_mask)
     if check_probability(dropout_p, "dropout_p") > 0 and seed is None:
         seed = _draw_seed()
     output, lse = _AttentionFunction.apply(query, key, value, attn_mask, sinks, dropout_p, is_causal, scale,
@@ -193,7 +195,7 @@ def _attention(query, key, value, attn_mask, dropout_p, is_causal, scale, enable
 
 def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
                                  enable_gqa=False, *, seed=None, causal_alignment="top_left", window=None,
-                                 alibi_slopes=None, softcap=None, sinks=None):
+                                 alibi_slopes=None, softcap=None, sinks=None, key_padding_mask=None):
     """Scaled dot-product attention, as ``torch.nn.functional.scaled_dot_product_attention``, differentiable
     in ``query``, ``key``, ``value`` (and ``sinks``) through attnpp's backward.
 
@@ -226,6 +228,9 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
         sinks (Tensor, optional, keyword-only): attention sinks (Hq,), the query's dtype: a logit per head in
             every softmax's denominator, without value; differentiable (its gradient flows through autograd like
             the inputs'). Default: None.
+        key_padding_mask (Tensor, optional, keyword-only, attnpp's): (B..., S) or (S,), bool (True where a key is
+            *masked out*, as ``torch.nn.MultiheadAttention``'s) or float (added to every query's scores); unlike
+            ``attn_mask`` it combines with ``is_causal``, without an (L, S) tensor. Default: None.
         (The definitions and sources of the variants: ``attnpp.functional.scaled_dot_product_attention``.)
 
     Returns:
@@ -239,7 +244,8 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
         bfloat16 (bool for the mask) or mixed, a non-tensor (sinks included).
     """
     return _attention(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, seed,
-                      causal_alignment, window=window, alibi_slopes=alibi_slopes, softcap=softcap, sinks=sinks)[0]
+                      causal_alignment, window=window, alibi_slopes=alibi_slopes, softcap=softcap, sinks=sinks,
+                      key_padding_mask=key_padding_mask)[0]
 
 
 def linear(input, weight, bias=None):
