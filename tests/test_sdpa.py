@@ -181,6 +181,39 @@ def test_inputs_not_contiguous(rng):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("causal", [None, "top_left", "bottom_right"])
+@pytest.mark.parametrize("window", [None, (40, 0)])
+@pytest.mark.parametrize("kind", ["bool", "float"])
+def test_key_padding_mask(rng, dtype, causal, window, kind):
+    """key_padding_mask (B, S) (bool: True = padding; float: added), with is_causal and a window, equals
+    PyTorch given the equivalent dense mask (B, 1, L, S); the output and every gradient."""
+    B, H, L, S = 2, 3, 130, 300
+    pad = rng.random((B, S)) < 0.3
+    pad[:, 0] = False  # every row sees a key (fully masked rows have their own test)
+    kpm = pad if kind == "bool" else np.where(pad, -np.inf, rng.standard_normal((B, S))).astype(dtype)
+    visible = np.ones((L, S), bool)
+    shift = S - L if causal == "bottom_right" else 0
+    if causal:
+        visible &= np.tril(visible, k=shift)
+    if window:
+        visible &= np.triu(np.ones((L, S), bool), k=S - L - window[0]) & np.tril(visible, k=S - L + window[1])
+    pad_bias = np.where(pad, -np.inf, 0.0) if kind == "bool" else kpm.astype(np.float64)
+    dense = np.where(visible, 0.0, -np.inf)[None, None] + pad_bias[:, None, None, :]
+    q, k, v = (rng.standard_normal((B, H, n, 8)).astype(dtype) for n in (L, S, S))
+    kw = dict(key_padding_mask=kpm, window=window)
+    if causal:
+        kw.update(is_causal=True, causal_alignment=causal)
+    out, lse, _ = AF.scaled_dot_product_attention_forward(q, k, v, **kw)
+    grad_out = rng.standard_normal(out.shape).astype(dtype)
+    grads = AF.scaled_dot_product_attention_backward(grad_out, q, k, v, out, lse, **kw)
+    ref, _ = torch_sdpa(q, k, v, grad_out, dict(attn_mask=dense.astype(dtype)))
+    for name, ours, theirs in zip(("output", "grad_query", "grad_key", "grad_value"), (out,) + grads, ref):
+        assert_close(ours, theirs, dtype, name)
+    weights = AF.scaled_dot_product_attention_weights(q, k, **kw)
+    assert (weights[np.broadcast_to(np.isneginf(dense), weights.shape)] == 0).all()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_masked_keys_get_exactly_zero_weight(rng, dtype):
     """exp(-inf) is 0, not the denormal a clamped vectorized exp gives (regression: 5.6e-309 in float64)."""
     q, k = rng.standard_normal((1, 1, 16, 4)).astype(dtype), rng.standard_normal((1, 1, 16, 4)).astype(dtype)
