@@ -256,8 +256,8 @@ class _Problem:
 
     def _as4(self, x, H, rows, cols, repeat=1):
         """``x`` as (N, H, rows, cols), a view where possible; its heads repeated ``repeat`` times (GQA)."""
-        x4 = np.broadcast_to(x, tuple(self.batch) + (H // repeat, rows, cols)).reshape(self.N, H // repeat, rows,
-                                                                                          cols)
+        shape = tuple(self.batch) + (H // repeat, rows, cols)
+        x4 = (x if x.shape == shape else np.broadcast_to(x, shape)).reshape(self.N, H // repeat, rows, cols)
         if repeat > 1:
             return x4.repeat(repeat, axis=1)
         return last_dim_contiguous(x4)
