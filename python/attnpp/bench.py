@@ -125,14 +125,23 @@ SIZES = {
                         ((8, 12, 256, 64), True), ((1, 12, 4096, 64), True)],
                 memory=(1, 12, 8192, 64), mha=(4, 512, 768, 12), article004=(30, 50, 512, 8),
                 window=((1, 12, 4096, 64), 256), decode=(8, 32, 8, 128, 4096), varlen=(8, 37, 1024, 12, 64),
-                steps=10000, repeats=10, min_sample=0.020, sgemm=2048),
+                steps=10000, repeats=10, min_sample=0.020, sgemm=2048,
+                transformers=dict(model=dict(hidden_size=768, intermediate_size=2048, num_hidden_layers=12,
+                                             num_attention_heads=12, num_key_value_heads=4, vocab_size=32000),
+                                  label="125M", prefill=(2048, 8192), window=(1024, 8192), decode=(2048, 64))),
     True: dict(kernel=[((1, 2, 64, 16), False), ((2, 2, 32, 16), True)],
                memory=(1, 2, 256, 16), mha=(2, 16, 32, 4), article004=(2, 10, 64, 8),
                window=((1, 2, 128, 16), 16), decode=(2, 4, 2, 16, 64), varlen=(3, 5, 40, 2, 16),
-               steps=9, repeats=3, min_sample=0.002, sgemm=256),
+               steps=9, repeats=3, min_sample=0.002, sgemm=256,
+               transformers=dict(model=dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                            num_attention_heads=4, num_key_value_heads=2, vocab_size=256),
+                                 label="tiny", prefill=(64, 128), window=(16, 128), decode=(64, 4))),
 }
 # window: ((B, H, L, D), window); decode: (B, query heads, KV heads, D, cached tokens); varlen: (sequences, shortest,
-# longest, H, D)
+# longest, H, D); transformers: the Llama-like model's configuration, prefill lengths, the Mistral-like model's
+# (window, tokens), decode (prompt tokens, new tokens)
+TRANSFORMERS_PAIRS = 3  # a prefill of 8192 tokens takes seconds per call
+TRANSFORMERS_TARGETS = {"prefill": 1.3, "window": 3.0}  # issue 22: attention time, sdpa's / attnpp's
 MEMORY_PAIRS = 3  # the memory case takes seconds per call: 3 pairs are enough
 SGEMM_SAMPLES = 5  # the sgemm is one reference figure, not a comparison: the median of 5 is stable enough
 SGEMM_TARGET = 0.70  # the issue's target: attnpp's attention forward at >= 70% of the same run's sgemm GFLOP/s
@@ -688,6 +697,158 @@ def half_cases(size, repeats, float32_growth, float32_decode):
     return cases
 
 
+# ----------------------------------------------------------------------------- Hugging Face transformers models
+def hf_models(kind, model_size, reference, window=None, dtype="float32"):
+    """(attnpp model, ``reference`` model): a random-initialised Llama-like (``kind`` "llama") or Mistral-like
+    (sliding ``window``) causal LM of ``model_size`` in ``dtype`` (a torch dtype's name), eval mode, the same
+    weights on both sides; Unavailable without transformers."""
+    try:
+        import transformers
+        import attnpp.transformers  # noqa: F401 (registers "attnpp")
+    except ImportError as error:
+        raise Unavailable(f"needs Hugging Face transformers, not importable here ({error}): "
+                          f"pip install \".[transformers]\"") from error
+    config_class = transformers.MistralConfig if kind == "mistral" else transformers.LlamaConfig
+    extra = dict(sliding_window=window) if kind == "mistral" else {}
+    models = []
+    for impl in ("attnpp", reference):
+        config = config_class(**model_size, max_position_embeddings=16384, **extra)
+        torch.manual_seed(0)
+        models.append(transformers.AutoModelForCausalLM.from_config(config, attn_implementation=impl,
+                                                                    dtype=getattr(torch, dtype)).eval())
+    models[1].load_state_dict(models[0].state_dict())
+    return models
+
+
+@contextlib.contextmanager
+def attention_timer(impl, total):
+    """Adds the seconds spent in transformers' attention function ``impl`` to ``total`` (a one-element list)
+    while it is active (``eager``: Llama's own)."""
+    from transformers import AttentionInterface
+    from transformers.models.llama.modeling_llama import eager_attention_forward
+    mapping = AttentionInterface._global_mapping
+    inner = mapping.get(impl, eager_attention_forward)
+
+    def timed(*args, **kwargs):
+        start = time.perf_counter()
+        out = inner(*args, **kwargs)
+        total[0] += time.perf_counter() - start
+        return out
+    mapping[impl] = timed
+    try:
+        yield
+    finally:
+        if impl in ("attnpp", "sdpa"):
+            mapping[impl] = inner
+        else:
+            del mapping[impl]
+
+
+def timed_calls(models, impls, run, info):
+    """(attnpp call, reference call): ``run(model)`` of each side, which adds to ``info[impl]`` (a list: seconds
+    in attention, seconds in all, calls) at every call (warm-up and memory calls included: all do the same
+    work)."""
+    calls = []
+    for model, impl in zip(models, impls):
+        totals = info.setdefault(impl, [0.0, 0.0, 0])
+
+        def call(model=model, impl=impl, totals=totals):
+            spent, start = [0.0], time.perf_counter()
+            with attention_timer(impl, spent):
+                run(model)
+            totals[0] += spent[0]
+            totals[1] += time.perf_counter() - start
+            totals[2] += 1
+        calls.append(call)
+    return tuple(calls)
+
+
+def prefill_calls(kind, model_size, tokens, reference, info, window=None, dtype="float32"):
+    """One prefill each: a forward over ``tokens`` tokens under no_grad, the last position's logits only (as
+    generate's first step); the time in attention into ``info`` (timed_calls)."""
+    models = hf_models(kind, model_size, reference, window, dtype)
+    ids = torch.randint(0, model_size["vocab_size"], (1, tokens), generator=torch.Generator().manual_seed(0))
+
+    def run(model):
+        with torch.no_grad():
+            model(ids, logits_to_keep=1)
+    return timed_calls(models, ("attnpp", reference), run, info)
+
+
+def decode_calls(kind, model_size, prompt, steps, info, dtype="float32"):
+    """``steps`` greedy decoding steps of one new token each after a ``prompt``-token prefill (DynamicCache),
+    the cache cut back to the prompt after each call; the time in attention into ``info`` (timed_calls)."""
+    models = hf_models(kind, model_size, "sdpa", dtype=dtype)
+    ids = torch.randint(0, model_size["vocab_size"], (1, prompt), generator=torch.Generator().manual_seed(0))
+    state = {}
+    for model in models:
+        with torch.no_grad():
+            out = model(ids, use_cache=True, logits_to_keep=1)
+        state[model] = out.cache, out.logits[:, -1:].argmax(-1)
+
+    def run(model):
+        cache, token = state[model]
+        with torch.no_grad():
+            for _ in range(steps):
+                token = model(token, cache=cache, use_cache=True).logits[:, -1:].argmax(-1)
+        cache.crop(-steps)
+    return timed_calls(models, ("attnpp", "sdpa"), run, info)
+
+
+def transformers_summary(name, info, reference, target=None, per=None):
+    """A transformers case's line: the share of the time in attention on each side (timed_calls' figures),
+    the attention's own ratio against ``target`` (issue 22's), or tokens/s with ``per`` tokens a call."""
+    def line(result):
+        if set(info) != {"attnpp", reference}:
+            return ""
+        per_call = {impl: (a / n, t / n) for impl, (a, t, n) in info.items()}
+        shares = ", ".join(f"{impl} {a * 1e3:.0f} ms of {t * 1e3:.0f} ms ({a / t:.0%})"
+                           for impl, (a, t) in per_call.items())
+        text = f"{name}: time in attention per call (mean over all calls): {shares}"
+        if per is not None:
+            rates = [per / float(np.median(times)) for times in result.times]
+            text += f"; tokens/s: attnpp {rates[0]:.1f}, {reference} {rates[1]:.1f}"
+        if target is not None:
+            ratio = per_call[reference][0] / per_call["attnpp"][0]
+            text += (f"; attention {ratio:.2f} times as fast as {reference}'s, issue 22's target >= {target}: "
+                     f"{'met' if ratio >= target else 'NOT met'}")
+        return text
+    return line
+
+
+def transformers_cases(size):
+    """Issue 22's cases: Hugging Face models with attn_implementation="attnpp" against "sdpa" (and "eager"):
+    prefill of a Llama-like model (float32 and bfloat16) and of a Mistral-like one with a sliding window, and
+    greedy decoding (float32 and bfloat16)."""
+    hf = size["transformers"]
+    cases = []
+    llama, label = hf["model"], f"Llama-like {hf['label']}"
+
+    def add(name, build, info, reference, dtype="float32", **summary):
+        cases.append(Case(name, build, pairs=TRANSFORMERS_PAIRS, issue=22, dtype=dtype,
+                          summary=transformers_summary(name, info, reference, **summary)))
+    prompt, steps = hf["decode"]
+    for dtype in ("float32", "bfloat16"):
+        suffix = "" if dtype == "float32" else f" {dtype}"
+        for tokens in hf["prefill"] if dtype == "float32" else hf["prefill"][:1]:
+            for reference in ("sdpa", "eager") if (tokens, dtype) == (hf["prefill"][0], "float32") else ("sdpa",):
+                info = {}
+                add(f"transformers {label} prefill {tokens} tokens{suffix} vs {reference}",
+                    lambda t=tokens, r=reference, i=info, d=dtype: prefill_calls("llama", llama, t, r, i, dtype=d),
+                    info, reference, dtype, target=TRANSFORMERS_TARGETS["prefill"] if reference == "sdpa" else None)
+        if dtype == "float32":
+            window, tokens = hf["window"]
+            info = {}
+            add(f"transformers Mistral-like {hf['label']} w={window} prefill {tokens} tokens vs sdpa",
+                lambda i=info: prefill_calls("mistral", llama, tokens, "sdpa", i, window), info, "sdpa",
+                target=TRANSFORMERS_TARGETS["window"])
+        info = {}
+        add(f"transformers {label} decode {steps} tokens after {prompt}{suffix} vs sdpa",
+            lambda i=info, d=dtype: decode_calls("llama", llama, prompt, steps, i, d), info, "sdpa", dtype,
+            per=steps)
+    return cases
+
+
 def make_cases(quick, repeats):
     size = SIZES[quick]
     cases = []
@@ -708,6 +869,7 @@ def make_cases(quick, repeats):
         cases.append(Case(f"MultiheadAttention fwd+bwd {fmt_shape((B, L, E))} H={H} need_weights={need_weights}",
                           lambda w=need_weights: mha_calls(B, L, E, H, w)))
     cases += half_cases(size, repeats, float32_growth, float32_decode)
+    cases += transformers_cases(size)
     B4, T4, E4, H4 = size["article004"]
     articles = [("article 000 MultiheadAttention", (5, 6, 3), article000_pair),
                 ("article 004 MultiHeadAttention", (B4, T4, E4), lambda: article004_pair(B4, T4, E4, H4))]
