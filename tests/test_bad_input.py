@@ -654,10 +654,11 @@ def _valid_calls():
 
 VALID_CALLS = _valid_calls()
 HAND_TESTED = {  # the arguments the tables above and below test, not by kind
-    "functional.scaled_dot_product_attention": {"query", "key", "value", "attn_mask", "alibi_slopes", "sinks"},
+    "functional.scaled_dot_product_attention": {"query", "key", "value", "attn_mask", "alibi_slopes", "sinks",
+                                                "key_padding_mask"},
     "functional.scaled_dot_product_attention_backward": {"grad_output", "output", "logsumexp"},
     "functional.scaled_dot_product_attention_weights": {"query", "key", "attn_mask", "logsumexp", "alibi_slopes",
-                                                        "sinks"},
+                                                        "sinks", "key_padding_mask"},
     "functional.scaled_dot_product_attention_varlen": {"query", "key", "value", "cu_seqlens_q", "cu_seqlens_k",
                                                        "alibi_slopes", "sinks"},
     "functional.scaled_dot_product_attention_varlen_backward": {"grad_output", "output", "logsumexp"},

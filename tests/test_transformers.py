@@ -248,6 +248,33 @@ def test_attention_runs_on_attnpp():
     assert calls == ["KeyLayout"] * model.config.num_hidden_layers
 
 
+def test_dropout_reaches_attnpp(monkeypatch):
+    """The model's attention_dropout becomes attnpp's dropout_p in training mode (0 in eval mode): a training
+    forward then differs from the eval one, and torch.manual_seed replays it (attnpp draws its seeds from
+    torch's generator)."""
+    import attnpp.torch
+    seen = []
+    sdpa = attnpp.torch.scaled_dot_product_attention
+
+    def spy(*args, dropout_p=0.0, **kwargs):
+        seen.append(dropout_p)
+        return sdpa(*args, dropout_p=dropout_p, **kwargs)
+    monkeypatch.setattr(attnpp.torch, "scaled_dot_product_attention", spy)
+    model = make("llama", "attnpp", attention_dropout=0.5)
+    ids, mask, _ = batch("left")
+    with torch.no_grad():
+        evaluated = model(ids, attention_mask=mask).logits
+        model.train()
+        runs = []
+        for _ in range(2):
+            torch.manual_seed(7)
+            runs.append(model(ids, attention_mask=mask).logits)
+    layers = model.config.num_hidden_layers
+    assert seen == [0.0] * layers + [0.5] * 2 * layers
+    real = mask.bool()
+    assert torch.equal(runs[0], runs[1]) and (runs[0] - evaluated)[real].abs().max() > 1e-3
+
+
 def _ddp_rank(rank, world, port, out_dir):
     """One rank of the 2-process step: its half of the batch, gradients averaged by DDP (gloo)."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))

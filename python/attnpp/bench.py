@@ -840,11 +840,11 @@ def transformers_cases(size):
             window, tokens = hf["window"]
             info = {}
             add(f"transformers Mistral-like {hf['label']} w={window} prefill {tokens} tokens vs sdpa",
-                lambda i=info: prefill_calls("mistral", llama, tokens, "sdpa", i, window), info, "sdpa",
+                lambda i=info, t=tokens, w=window: prefill_calls("mistral", llama, t, "sdpa", i, w), info, "sdpa",
                 target=TRANSFORMERS_TARGETS["window"])
         info = {}
         add(f"transformers {label} decode {steps} tokens after {prompt}{suffix} vs sdpa",
-            lambda i=info, d=dtype: decode_calls("llama", llama, prompt, steps, i, d), info, "sdpa", dtype,
+            lambda i=info, d=dtype, p=prompt, s=steps: decode_calls("llama", llama, p, s, i, d), info, "sdpa", dtype,
             per=steps)
     return cases
 

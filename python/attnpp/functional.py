@@ -507,8 +507,8 @@ def scaled_dot_product_attention_weights(query, key, attn_mask=None, dropout_p=0
 
     Args:
         query, key, attn_mask, dropout_p, is_causal, scale, enable_gqa, seed, causal_alignment, window,
-            alibi_slopes, softcap, sinks, key_padding_mask: as ``scaled_dot_product_attention``'s (seed: the forward's, for the
-            weights it used).
+            alibi_slopes, softcap, sinks, key_padding_mask: as ``scaled_dot_product_attention``'s (seed: the
+            forward's, for the weights it used).
         logsumexp (ndarray, optional): (B..., Hq, L), the forward's, saves recomputing it. Default: None.
 
     Returns:
