@@ -39,6 +39,9 @@ struct Kernels {
                                 int64_t classes, int64_t ignore_index);
   void (*cross_entropy_backward)(T* dinput, const C* row_weight, const C* stats, const T* input,
                                  const int64_t* target, int64_t N, int64_t classes);
+  void (*linear_cross_entropy)(C* losses, C* logsumexp, T* dx, T* dw, T* db, const C* row_weight, const T* x,
+                               const T* w, const T* b, const int64_t* target, int64_t N, int64_t E, int64_t V,
+                               int64_t ignore_index, double label_smoothing);
   void (*sgd_step)(T* param, const T* grad, T* momentum_buffer, int64_t n, double lr, double momentum,
                    double dampening, double weight_decay, bool nesterov, bool first);
   void (*adamw_step)(T* param, const T* grad, T* exp_avg, T* exp_avg_sq, int64_t n, double lr, double beta1,

@@ -17,23 +17,6 @@ bool narrow(int64_t n) {
   return n < gemm_detail::Vec<T>::width;
 }
 
-// A half-precision array of n elements read into a new array of its compute type (nullptr for nullptr).
-template <typename T>
-std::unique_ptr<compute_t<T>[]> converted(const T* a, int64_t n) {
-  if (!a) return nullptr;
-  std::unique_ptr<compute_t<T>[]> c(new compute_t<T>[n]);
-  parallel_for_chunks(n, [&](int64_t begin, int64_t end) { load_n(c.get() + begin, a + begin, end - begin); });
-  return c;
-}
-
-// a (n) += c (n), each sum rounded once into T.
-template <typename T>
-void add_rounded(T* a, const compute_t<T>* c, int64_t n) {
-  parallel_for_chunks(n, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) a[i] = store<T>(load(a[i]) + c[i]);
-  });
-}
-
 #if defined(__AVX512BF16__)
 // bfloat16 on the avx512_bf16 level: the products with vdpbf16ps on the operands' pairs as they lie (inputs and
 // weights are bfloat16 already: the products are exact, the sums float), each output rounded once. Each returns

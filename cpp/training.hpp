@@ -36,6 +36,16 @@ template <typename T>
 void cross_entropy_backward(T* dinput, const compute_t<T>* row_weight, const compute_t<T>* stats, const T* input,
                             const int64_t* target, int64_t N, int64_t C);
 
+// The fused linear + cross-entropy (linear_cross_entropy.cpp): cross_entropy(x w^T + b, target) with label
+// smoothing, over chunks of rows, never the (N, V) logits. x (N, E), w (V, E), b (V) or nullptr, target (N)
+// in [0, V) or ignore_index. With `losses` (N), writes each row's loss (0 where ignored) and logsumexp (N) (the
+// compute type); without (nullptr), reads logsumexp. With row_weight (N) (dloss / dloss_i), accumulates the
+// gradients dx (N, E) (skipped when nullptr), dw (V, E) and db (V) (skipped when nullptr).
+template <typename T>
+void linear_cross_entropy(compute_t<T>* losses, compute_t<T>* logsumexp, T* dx, T* dw, T* db,
+                          const compute_t<T>* row_weight, const T* x, const T* w, const T* b, const int64_t* target,
+                          int64_t N, int64_t E, int64_t V, int64_t ignore_index, double label_smoothing);
+
 // SGD with momentum, dampening, weight decay and Nesterov, as torch.optim.SGD; `first` marks the first step
 // (the momentum buffer starts as the gradient).
 template <typename T>

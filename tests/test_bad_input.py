@@ -15,7 +15,8 @@ import pytest
 
 import attnpp
 import attnpp.functional as AF
-from attnpp.nn import Attention, CrossEntropyLoss, Dropout, Embedding, KVCache, Linear, MultiheadAttention
+from attnpp.nn import (Attention, CrossEntropyLoss, Dropout, Embedding, KVCache, Linear, LinearCrossEntropyLoss,
+                       MultiheadAttention)
 from attnpp._checks import ARGUMENTS
 from attnpp.optim import SGD, AdamW
 
@@ -594,6 +595,74 @@ def test_cross_entropy_backward_bad_input(cid, kw, exc, ws):
         _ce_call("backward", CL, CT, **kw)()
 
 
+# ----------------------------------------------------- linear_cross_entropy (forward, _forward, _backward, nn)
+# input (2, 3, 4), weight (5, 4), bias (5,), target (2, 3) with one ignored row; each refused before any compute
+LX, LW, LB, LT = randn(2, 3, 4, seed=70), randn(5, 4, seed=71), randn(5, seed=72), np.array([[0, 4, -100], [1, 2, 3]])
+LFWD = AF.linear_cross_entropy_forward(LX, LW, LT, LB, compute_grads=False)
+
+
+def _lce_call(kind, input, weight, target, bias, **kw):
+    if kind == "function":
+        return lambda: AF.linear_cross_entropy(input, weight, target, bias, **kw)
+    if kind == "layer":
+        return lambda: LinearCrossEntropyLoss(**kw)(input, weight, target, bias)
+    grad_output, lse = kw.pop("grad_output", 1.0), kw.pop("logsumexp", LFWD.logsumexp)
+    return lambda: AF.linear_cross_entropy_backward(grad_output, input, weight, target, lse, bias, **kw)
+
+
+# id, (input, weight, target, bias, kwargs) builder, exception, words
+LCE_BAD = [
+    ("target_out_of_range", lambda: (LX, LW, np.array([[0, 5, 1], [1, 2, 3]]), LB, {}), IndexError,
+     ["target", "5", "[0, 5)"]),
+    ("target_negative", lambda: (LX, LW, np.array([[0, -1, 1], [1, 2, 3]]), LB, {}), IndexError,
+     ["target", "-1", "[0, 5)"]),
+    ("target_float", lambda: (LX, LW, LT.astype(float), LB, {}), TypeError, ["target", "integer", "float64"]),
+    ("target_shape", lambda: (LX, LW, LT[0], LB, {}), ValueError, ["target", "(2, 3)", "(3,)"]),
+    ("weight_width", lambda: (LX, randn(5, 3), LT, LB, {}), ValueError, ["weight", "(5, 3)", "E = 4"]),
+    ("weight_no_classes", lambda: (LX, np.zeros((0, 4)), np.zeros((2, 3), np.int64), None, {}), ValueError,
+     ["weight", "(0, 4)", "V >= 1"]),
+    ("weight_float32", lambda: (LX, LW.astype(np.float32), LT, LB, {}), TypeError, ["weight", "float32", "float64"]),
+    ("weight_1d", lambda: (LX, LW[0], LT, LB, {}), ValueError, ["weight", "2", "(4,)"]),
+    ("bias_shape", lambda: (LX, LW, LT, np.zeros(4), {}), ValueError, ["bias", "(5,)", "(4,)"]),
+    ("input_int", lambda: (LX.astype(np.int64), LW, LT, LB, {}), TypeError, ["input", "int64"]),
+    ("label_smoothing_above_1", lambda: (LX, LW, LT, LB, dict(label_smoothing=1.5)), ValueError,
+     ["label_smoothing", "1.5"]),
+    ("label_smoothing_str", lambda: (LX, LW, LT, LB, dict(label_smoothing="0.1")), TypeError,
+     ["label_smoothing", "str"]),
+]
+
+
+@pytest.mark.parametrize("kind", ["function", "layer", "backward"])
+@pytest.mark.parametrize("cid, build, exc, ws", LCE_BAD, ids=[c[0] for c in LCE_BAD])
+def test_linear_cross_entropy_bad_input(kind, cid, build, exc, ws):
+    input, weight, target, bias, kw = build()
+    if kind == "layer" and cid.startswith("label_smoothing"):
+        with pytest.raises(exc, match=words(*ws)):
+            LinearCrossEntropyLoss(**kw)
+        return
+    with pytest.raises(exc, match=words(*ws)):
+        _lce_call(kind, input, weight, target, bias, **kw)()
+
+
+LCE_BACKWARD_BAD = [
+    ("grad_output_shape_mean", dict(grad_output=np.ones(3)), ValueError, ["grad_output", "()", "(3,)"]),
+    ("grad_output_shape_none", dict(grad_output=np.ones(3), reduction="none"), ValueError,
+     ["grad_output", "(2, 3)", "(3,)"]),
+    ("logsumexp_shape", dict(logsumexp=np.zeros(6)), ValueError, ["logsumexp", "(2, 3)", "(6,)"]),
+    ("logsumexp_float32", dict(logsumexp=np.zeros((2, 3), np.float32)), TypeError, ["logsumexp", "float32"]),
+    ("grads_for_none", dict(grad_output=np.ones((2, 3)), reduction="none", grads=(None, None, None)), ValueError,
+     ["grads", "mean", "sum"]),
+    ("grads_shapes", dict(grads=(np.zeros((2, 3, 4)), np.zeros((4, 5)), np.zeros(5))), ValueError,
+     ["grads", "(5, 4)"]),
+]
+
+
+@pytest.mark.parametrize("cid, kw, exc, ws", LCE_BACKWARD_BAD, ids=[c[0] for c in LCE_BACKWARD_BAD])
+def test_linear_cross_entropy_backward_bad_input(cid, kw, exc, ws):
+    with pytest.raises(exc, match=words(*ws)):
+        _lce_call("backward", LX, LW, LT, LB, **kw)()
+
+
 # ------------------------------------------------------------------------ the non-array arguments, by kind
 # attnpp._checks.ARGUMENTS names the kind of every non-array argument of the public functions, layers and
 # optimizers; each kind lists the values its check refuses. A valid call of each (below) gets each refused value
@@ -634,6 +703,12 @@ def _valid_calls():
         "functional.cross_entropy_forward": lambda **kw: AF.cross_entropy_forward(CL, CT, **kw),
         "functional.cross_entropy_backward": lambda **kw: AF.cross_entropy_backward(
             1.0, CL, CT, AF.cross_entropy_forward(CL, CT)[1], **kw),
+        "functional.linear_cross_entropy": lambda **kw: AF.linear_cross_entropy(LX, LW, LT, LB, **kw),
+        "functional.linear_cross_entropy_forward": lambda **kw: AF.linear_cross_entropy_forward(LX, LW, LT, LB,
+                                                                                                **kw),
+        "functional.linear_cross_entropy_backward": lambda **kw: AF.linear_cross_entropy_backward(
+            1.0, LX, LW, LT, LFWD.logsumexp, LB, **kw),
+        "nn.LinearCrossEntropyLoss": lambda **kw: LinearCrossEntropyLoss(**kw),
         "functional.linear_backward": lambda **kw: AF.linear_backward(FGY, FX, FW, np.zeros((3, 4)), **kw),
         "functional.get_alibi_slopes": lambda **kw: AF.get_alibi_slopes(**{"num_heads": 4, **kw}),
         "functional.rotary_embedding": lambda **kw: AF.rotary_embedding(x3, cos, sin, **kw),
@@ -671,6 +746,8 @@ HAND_TESTED = {  # the arguments the tables above and below test, not by kind
     "functional.embedding_backward": {"grad_output", "input", "grad_weight"},
     "functional.cross_entropy": {"input", "target"},
     "functional.cross_entropy_backward": {"grad_output", "stats"},
+    "functional.linear_cross_entropy": {"input", "weight", "target", "bias"},
+    "functional.linear_cross_entropy_backward": {"grad_output", "logsumexp", "grads"},
     "functional.linear": {"input", "weight", "bias"},
     "functional.linear_backward": {"grad_output", "input", "weight", "grad_weight", "grad_bias"},
     "functional.rotary_embedding": {"input", "cos", "sin", "position_offset"},
@@ -690,6 +767,8 @@ HAND_TESTED["functional.scaled_dot_product_attention_varlen_backward"] |= \
     HAND_TESTED["functional.scaled_dot_product_attention_varlen"]
 HAND_TESTED["functional.cross_entropy_forward"] = HAND_TESTED["functional.cross_entropy"]
 HAND_TESTED["functional.cross_entropy_backward"] |= HAND_TESTED["functional.cross_entropy"]
+HAND_TESTED["functional.linear_cross_entropy_forward"] = HAND_TESTED["functional.linear_cross_entropy"]
+HAND_TESTED["functional.linear_cross_entropy_backward"] |= HAND_TESTED["functional.linear_cross_entropy"]
 HAND_TESTED["functional.rotary_embedding_backward"] |= HAND_TESTED["functional.rotary_embedding"] - {"input"}
 
 KIND_CASES = [pytest.param(where, name, value, exc, id=f"{where}-{name}-{value!r}")
@@ -721,8 +800,9 @@ def test_argument_refuses_its_kinds_bad_values(where, name, value, exc):
 def test_every_argument_is_described():
     """Each parameter of every public function, layer and optimizer has a kind in ARGUMENTS or cases in the
     tables (HAND_TESTED): a new argument without either fails here."""
-    public = [f"functional.{n}" for n in AF.__all__ if n != "AttentionForward"] + \
-        [f"nn.{n}" for n in ("Linear", "Embedding", "Dropout", "CrossEntropyLoss", "KVCache", "MultiheadAttention",
+    public = [f"functional.{n}" for n in AF.__all__ if not n.endswith("Forward")] + \
+        [f"nn.{n}" for n in ("Linear", "Embedding", "Dropout", "CrossEntropyLoss", "LinearCrossEntropyLoss",
+                             "KVCache", "MultiheadAttention",
                              "Attention")] + ["optim.SGD", "optim.AdamW"]
     missing = {where: sorted(set(inspect.signature(_public(where)).parameters) - set(ARGUMENTS.get(where, {}))
                              - HAND_TESTED.get(where, set())) for where in public}

@@ -294,6 +294,37 @@ void cross_entropy_backward(const py::array& grad_input, const py::array& row_we
   });
 }
 
+// ------------------------------------------------------------------------------------- linear + cross entropy
+void linear_cross_entropy(const py::object& losses, const py::array& logsumexp, const py::object& grad_input,
+                          const py::object& grad_weight, const py::object& grad_bias, const py::object& row_weight,
+                          const py::array& input, const py::array& weight, const py::object& bias,
+                          const py::array& target, int64_t ignore_index, double label_smoothing) {
+  dispatch(input, "input", [&](auto t) {
+    using T = typename decltype(t)::type;
+    using C = compute_t<T>;
+    expect_ndim(input, "input", 2), expect_ndim(weight, "weight", 2);
+    const int64_t N = input.shape(0), E = input.shape(1), V = weight.shape(0);
+    if (V == 0) throw py::value_error("weight: expected at least one class, got shape " + shape_str(weight));
+    expect_shape(weight, "weight", {V, E});
+    expect_shape(target, "target", {N});
+    C* l = optional_ptr<C>(losses, "losses", {N}, true);
+    expect_shape(logsumexp, "logsumexp", {N});
+    C* lse = contiguous_ptr<C>(logsumexp, "logsumexp", l != nullptr);
+    const C* rw = optional_ptr<C>(row_weight, "row_weight", {N}, false);
+    const std::vector<C> weights = rw ? std::vector<C>(rw, rw + N) : std::vector<C>();  // (see int64_copy)
+    T* dx = optional_ptr<T>(grad_input, "grad_input", {N, E}, true);
+    T* dw = optional_ptr<T>(grad_weight, "grad_weight", {V, E}, true);
+    T* db = optional_ptr<T>(grad_bias, "grad_bias", {V}, true);
+    if (rw && !dw) throw py::value_error("grad_weight: required with row_weight");
+    const T* b = optional_ptr<T>(bias, "bias", {V}, false);
+    const T *x = contiguous_ptr<T>(input, "input", false), *w = contiguous_ptr<T>(weight, "weight", false);
+    const auto tg = indices(target, "target", V, &ignore_index);
+    py::gil_scoped_release release;
+    kernels<T>().linear_cross_entropy(l, lse, dx, dw, db, rw ? weights.data() : nullptr, x, w, b, tg.data(), N, E,
+                                      V, ignore_index, label_smoothing);
+  });
+}
+
 // ------------------------------------------------------------------------------------------------- optimizers
 void sgd_step(const py::array& param, const py::array& grad, const py::object& momentum_buffer, double lr,
               double momentum, double dampening, double weight_decay, bool nesterov, bool first) {
@@ -478,6 +509,14 @@ PYBIND11_MODULE(_core, m) {
         "grad_input (N, C) of the losses weighted by row_weight (N,), from cross_entropy_forward's stats (N, 2), "
         "input and target.",
         py::arg("grad_input"), py::arg("row_weight"), py::arg("stats"), py::arg("input"), py::arg("target"));
+  m.def("linear_cross_entropy", &linear_cross_entropy,
+        "Fused cross_entropy(input (N, E) @ weight (V, E).T + bias (V,) or None, target (N,) int64) with label "
+        "smoothing, over chunks of rows: with losses (N,), writes the per-row losses (0 where ignored) and "
+        "logsumexp (N,); without (None), reads logsumexp. With row_weight (N,), adds the gradients into "
+        "grad_input (N, E) or None, grad_weight (V, E) and grad_bias (V,) or None.",
+        py::arg("losses"), py::arg("logsumexp"), py::arg("grad_input"), py::arg("grad_weight"), py::arg("grad_bias"),
+        py::arg("row_weight"), py::arg("input"), py::arg("weight"), py::arg("bias"), py::arg("target"),
+        py::arg("ignore_index"), py::arg("label_smoothing"));
   m.def("sgd_step", &sgd_step,
         "One SGD step on param in place (torch.optim.SGD's update); momentum_buffer (param's size) or None when "
         "momentum is 0; first: the buffer's first step.",

@@ -229,6 +229,15 @@ def check_probability(p, name):
     return float(p)
 
 
+def check_label_smoothing(x):
+    """``x`` as a float in [0, 1] (cross-entropy's label smoothing, as PyTorch's), else TypeError/ValueError."""
+    if not isinstance(x, numbers.Real) or isinstance(x, bool):
+        raise TypeError(f"label_smoothing: expected a float in [0, 1], got {type(x).__name__}")
+    if not 0.0 <= x <= 1.0:
+        raise ValueError(f"label_smoothing must be in [0, 1], got {x!r}")
+    return float(x)
+
+
 def check_scale(scale):
     """``scale`` as a float or None, else TypeError."""
     if scale is not None and (not isinstance(scale, numbers.Real) or isinstance(scale, bool)):
@@ -321,6 +330,8 @@ SOFTCAP = Kind("float >= 0 or None", [(-1.0, ValueError), (float("inf"), ValueEr
 HYPER = Kind("float >= 0", [(-0.1, ValueError), (float("nan"), ValueError), (float("inf"), ValueError),
                             ("0.1", TypeError), (True, TypeError), (None, TypeError), (0.1j, TypeError),
                             ([0.9], TypeError)])
+LABEL_SMOOTHING = Kind("float in [0, 1]", [(-0.1, ValueError), (1.5, ValueError), (float("nan"), ValueError),
+                                         ("0.1", TypeError), (True, TypeError), (None, TypeError)])
 REDUCTION = Kind("'mean', 'sum' or 'none'", [("avg", ValueError), (None, ValueError), ("MEAN", ValueError)])
 CAUSAL_ALIGNMENT = Kind("'top_left' or 'bottom_right'", [("top", ValueError), (None, ValueError), (1, ValueError)])
 IGNORE_INDEX = Kind("int in int64's range", [(1.5, TypeError), ("x", TypeError), (True, TypeError),
@@ -350,6 +361,12 @@ ARGUMENTS = {
     "functional.cross_entropy": dict(ignore_index=IGNORE_INDEX, reduction=REDUCTION),
     "functional.cross_entropy_forward": dict(ignore_index=IGNORE_INDEX, reduction=REDUCTION),
     "functional.cross_entropy_backward": dict(ignore_index=IGNORE_INDEX, reduction=REDUCTION),
+    "functional.linear_cross_entropy": dict(ignore_index=IGNORE_INDEX, reduction=REDUCTION,
+                                            label_smoothing=LABEL_SMOOTHING),
+    "functional.linear_cross_entropy_forward": dict(ignore_index=IGNORE_INDEX, reduction=REDUCTION,
+                                                    label_smoothing=LABEL_SMOOTHING, compute_grads=FLAG),
+    "functional.linear_cross_entropy_backward": dict(ignore_index=IGNORE_INDEX, reduction=REDUCTION,
+                                                     label_smoothing=LABEL_SMOOTHING),
     "functional.linear_backward": dict(need_input_grad=FLAG),
     "functional.get_alibi_slopes": dict(num_heads=COUNT, dtype=DTYPE),
     "functional.rotary_embedding": dict(interleaved=FLAG),
@@ -359,6 +376,8 @@ ARGUMENTS = {
     "nn.Embedding": dict(num_embeddings=SIZE, embedding_dim=SIZE, dtype=DTYPE),
     "nn.Dropout": dict(p=PROBABILITY),
     "nn.CrossEntropyLoss": dict(ignore_index=IGNORE_INDEX, reduction=REDUCTION),
+    "nn.LinearCrossEntropyLoss": dict(ignore_index=IGNORE_INDEX, reduction=REDUCTION,
+                                      label_smoothing=LABEL_SMOOTHING),
     "nn.KVCache": dict(batch_size=COUNT, num_heads=COUNT, max_length=COUNT, head_dim=SIZE, dtype=DTYPE),
     "nn.MultiheadAttention": dict(embed_dim=COUNT, num_heads=COUNT, dropout=PROBABILITY, bias=FLAG,
                                   add_bias_kv=FLAG, add_zero_attn=FLAG, kdim=OPTIONAL_COUNT, vdim=OPTIONAL_COUNT,

@@ -181,6 +181,23 @@ def cross_entropy_backward(
 ) -> None:
     """grad_input (N, C) of the losses weighted by row_weight (N,), from cross_entropy_forward's stats (N, 2)."""
 
+def linear_cross_entropy(
+    losses: _FloatArray | None,
+    logsumexp: _FloatArray,
+    grad_input: _FloatArray | None,
+    grad_weight: _FloatArray | None,
+    grad_bias: _FloatArray | None,
+    row_weight: _FloatArray | None,
+    input: _FloatArray,
+    weight: _FloatArray,
+    bias: _FloatArray | None,
+    target: _IndexArray,
+    ignore_index: int,
+    label_smoothing: float,
+) -> None:
+    """Fused cross_entropy(input (N, E) @ weight (V, E).T + bias, target (N,)) over chunks of rows: losses and
+    logsumexp (N,) written (or logsumexp read when losses is None); with row_weight, the gradients added."""
+
 def sgd_step(
     param: _FloatArray,
     grad: _FloatArray,

@@ -45,8 +45,8 @@ from . import functional as AF
 from ._checks import BFLOAT16, bfloat16_tensor_as_ndarray, check_attention_layer_shapes, check_probability
 from .nn.attention import attention_config_of, rotary_tables, variant_args
 
-__all__ = ["scaled_dot_product_attention", "linear", "Linear", "MultiheadAttention", "Attention", "from_numpy",
-           "to_numpy"]
+__all__ = ["scaled_dot_product_attention", "linear", "linear_cross_entropy", "Linear", "MultiheadAttention",
+           "Attention", "from_numpy", "to_numpy"]
 
 _FLOATS = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 _FLOAT_NAMES = "float32, float64, float16 or bfloat16"
@@ -156,6 +156,33 @@ class _AttentionFunction(torch.autograd.Function):
         grad_sinks = from_numpy(grads[3]) if needs[4] else None
         grads = [from_numpy(g) if need else None for g, need in zip(grads[:3], needs[:3])]
         return (*grads, None, grad_sinks) + nones
+
+
+class _LinearCrossEntropyFunction(torch.autograd.Function):
+    """``attnpp.functional.linear_cross_entropy_forward`` and ``_backward``: for the scalar reductions the forward
+    computes the gradients (when one is needed) and the backward scales them by grad_output."""
+
+    @staticmethod
+    def forward(ctx, input, weight, target, bias, options):
+        needed = any(ctx.needs_input_grad[i] for i in (0, 1, 3))
+        out = AF.linear_cross_entropy_forward(
+            *map(to_numpy, (input, weight, target, bias)),
+            compute_grads=needed and options["reduction"] != "none", **options)
+        ctx.save_for_backward(input, weight, target, bias)
+        ctx.logsumexp, ctx.grads, ctx.options = out.logsumexp, out.grads, options
+        return from_numpy(out.loss)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_output):
+        input, weight, target, bias = ctx.saved_tensors
+        grads = AF.linear_cross_entropy_backward(to_numpy(grad_output), *map(to_numpy, (input, weight, target)),
+                                                 ctx.logsumexp, to_numpy(bias), grads=ctx.grads, **ctx.options)
+        ctx.grads = None  # (scaled in place: a second backward would scale them again)
+        need = ctx.needs_input_grad
+        grad_input, grad_weight, grad_bias = (from_numpy(g) if g is not None and need[i] else None
+                                              for g, i in zip(grads, (0, 1, 3)))
+        return grad_input, grad_weight, None, grad_bias, None
 
 
 class _RotaryFunction(torch.autograd.Function):
@@ -277,6 +304,36 @@ def linear(input, weight, bias=None):
         if t is not None:
             _check_tensor(t, name)
     return _LinearFunction.apply(input, weight, bias)
+
+
+def linear_cross_entropy(input, weight, target, bias=None, *, ignore_index=-100, reduction="mean",
+                         label_smoothing=0.0):
+    """``torch.nn.functional.cross_entropy(torch.nn.functional.linear(input, weight, bias), target, ...)`` fused:
+    attnpp's ``linear_cross_entropy``, differentiable in input, weight and bias, without the (N, V) logits.
+
+    Args:
+        input (Tensor): (*, E), float32, float64, float16 or bfloat16, on the CPU.
+        weight (Tensor): (V, E), the same dtype (the output projection's, ``torch.nn.Linear`` layout).
+        target (Tensor): (*,) the input's shape without E, int64 class indices in [0, V) or ``ignore_index``.
+        bias (Tensor, optional): (V,). Default: None.
+        ignore_index, reduction, label_smoothing: as ``torch.nn.functional.cross_entropy``'s (defaults -100,
+            ``"mean"``, 0.0).
+
+    Returns:
+        Tensor: the loss, 0-d (mean, sum) or of the target's shape (none), the input's dtype.
+
+    For the "mean" and "sum" reductions the forward computes the gradients with the loss (one pass over chunks
+    of rows, Liger Kernel's approach) and keeps them until the backward, which scales them by grad_output: memory
+    of the gradients, never of the logits. Method and errors: ``attnpp.functional.linear_cross_entropy``; and
+    ValueError for a tensor not on the CPU, TypeError for one of another dtype.
+    """
+    for t, name in ((input, "input"), (weight, "weight"), (bias, "bias")):
+        if t is not None:
+            _check_tensor(t, name)
+    if not isinstance(target, torch.Tensor):
+        raise TypeError(f"target: expected a torch.Tensor, got {type(target).__name__}")
+    options = dict(ignore_index=ignore_index, reduction=reduction, label_smoothing=label_smoothing)
+    return _LinearCrossEntropyFunction.apply(input, weight, target, bias, options)
 
 
 def _additive_mask(mask, dtype, name):

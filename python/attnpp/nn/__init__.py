@@ -4,10 +4,10 @@ from .module import Module, locked
 from .linear import Linear
 from .embedding import Embedding
 from .dropout import Dropout
-from .loss import CrossEntropyLoss
+from .loss import CrossEntropyLoss, LinearCrossEntropyLoss
 from .multihead_attention import MultiheadAttention
 from .kv_cache import KVCache
 from .attention import Attention
 
-__all__ = ["Parameter", "Module", "locked", "Linear", "Embedding", "Dropout", "CrossEntropyLoss", "MultiheadAttention",
-           "Attention", "KVCache"]
+__all__ = ["Parameter", "Module", "locked", "Linear", "Embedding", "Dropout", "CrossEntropyLoss",
+           "LinearCrossEntropyLoss", "MultiheadAttention", "Attention", "KVCache"]

@@ -1,0 +1,103 @@
+// The fused linear + cross-entropy: cross_entropy(x w^T + b, target) over chunks of rows, never holding the
+// (N, V) logits (Wijmans et al., "Cut Your Losses in Large-Vocabulary Language Models", 2024; Liger Kernel's
+// fused linear cross-entropy). A chunk's logits (rows x V, at most kLogitsBytes) are computed once, turned into
+// their losses and, when the gradient's row weights are known, into the logits' gradient in place, which then
+// feeds the two gradient products: the three products of the unfused pair, no more.
+#include <algorithm>
+#include <cmath>
+#include <memory>
+#include <vector>
+
+#include "linear.hpp"
+#include "row_softmax.hpp"
+#include "training.hpp"
+
+namespace attnpp::ATTNPP_CPU_NS {
+namespace {
+
+constexpr int64_t kLogitsBytes = int64_t(32) << 20;  // one chunk's logits
+
+// In the compute type C (float or double): see linear_cross_entropy in training.hpp.
+template <typename C>
+void fused(C* losses, C* logsumexp, C* dx, C* dw, C* db, const C* row_weight, const C* x, const C* w, const C* b,
+           const int64_t* target, int64_t N, int64_t E, int64_t V, int64_t ignore_index, C eps) {
+  const int64_t rows = std::clamp<int64_t>(kLogitsBytes / (V * int64_t(sizeof(C))), 1, std::max<int64_t>(N, 1));
+  std::vector<C> z(std::size_t(std::min(rows, N) * V));
+  const C smooth = eps / C(V);  // each class's share of the smoothing
+  for (int64_t r0 = 0; r0 < N; r0 += rows) {
+    const int64_t R = std::min(rows, N - r0);
+    linear_forward<C>(z.data(), x + r0 * E, w, b, R, E, V);  // z = x w^T + b
+    parallel_for(R, R * V, [&](int64_t r) {
+      const int64_t i = r0 + r;
+      C* zr = z.data() + r * V;
+      const bool ignored = target[i] == ignore_index;
+      if (losses) {
+        // loss_i = lse - (1 - eps) z_t - eps mean_j z_j, as log_sum + (1 - eps)(m - z_t) + eps (m - mean z) with
+        // m the row's max and log_sum = log sum_j exp(z_j - m): non-negative terms, none lost next to m
+        const C m = *std::max_element(zr, zr + V);
+        const double log_sum = std::log(sum_exp_shifted(zr, V, m));
+        logsumexp[i] = C(double(m) + log_sum);
+        double loss = 0;
+        if (!ignored) {
+          loss = log_sum + (1 - double(eps)) * double(m - zr[target[i]]);
+          if (eps > 0) {
+            double sum = 0;
+            for (int64_t j = 0; j < V; ++j) sum += double(zr[j]);
+            loss += double(eps) * (double(m) - sum / double(V));
+          }
+        }
+        losses[i] = C(loss);
+      }
+      if (!row_weight) return;
+      // dz_j = w_i (softmax(z)_j - eps / V - (1 - eps) [j = t])   <- loss_i = -sum_j q_j log softmax(z)_j
+      const C wi = ignored ? C(0) : row_weight[i], lse = logsumexp[i];
+      if (wi == C(0)) {
+        std::fill(zr, zr + V, C(0));
+        return;
+      }
+      const C z_target = zr[target[i]];
+      exp_shifted_chunks(zr, V, lse, C(0), [&](int64_t c0, const C* p, int64_t len) {
+        for (int64_t j = 0; j < len; ++j) zr[c0 + j] = wi * (p[j] - smooth);
+      });
+      // at the target, p - 1 = expm1(z_t - lse): exact even when p is within an ulp of 1
+      zr[target[i]] = wi * (std::expm1(z_target - lse) + (eps - smooth));
+    });
+    // dx += dz w, dw += dz^T x, db += the column sums of dz   <- z = x w^T + b
+    if (row_weight) linear_backward<C>(dx ? dx + r0 * E : nullptr, dw, db, z.data(), x + r0 * E, w, R, E, V);
+  }
+}
+
+// A zeroed array of n elements of T's compute type, or nullptr unless `want`.
+template <typename T>
+std::unique_ptr<compute_t<T>[]> zeros(bool want, int64_t n) {
+  return want ? std::unique_ptr<compute_t<T>[]>(new compute_t<T>[n]()) : nullptr;
+}
+
+}  // namespace
+
+template <typename T>
+void linear_cross_entropy(compute_t<T>* losses, compute_t<T>* logsumexp, T* dx, T* dw, T* db,
+                          const compute_t<T>* row_weight, const T* x, const T* w, const T* b, const int64_t* target,
+                          int64_t N, int64_t E, int64_t V, int64_t ignore_index, double label_smoothing) {
+  using C = compute_t<T>;
+  if constexpr (is_half<T>) {  // in float on float copies, each gradient added (and rounded) once
+    const auto xc = converted(x, N * E), wc = converted(w, V * E), bc = converted(b, V);
+    const bool grads = row_weight != nullptr;
+    const auto dxc = zeros<T>(grads && dx, N * E), dwc = zeros<T>(grads, V * E), dbc = zeros<T>(grads && db, V);
+    fused<C>(losses, logsumexp, dxc.get(), dwc.get(), dbc.get(), row_weight, xc.get(), wc.get(), bc.get(), target,
+             N, E, V, ignore_index, C(label_smoothing));
+    if (dxc) add_rounded(dx, dxc.get(), N * E);
+    if (dwc) add_rounded(dw, dwc.get(), V * E);
+    if (dbc) add_rounded(db, dbc.get(), V);
+  } else {
+    fused<C>(losses, logsumexp, dx, dw, db, row_weight, x, w, b, target, N, E, V, ignore_index, C(label_smoothing));
+  }
+}
+
+#define INSTANTIATE(T)                                                                                          \
+  template void linear_cross_entropy<T>(compute_t<T>*, compute_t<T>*, T*, T*, T*, const compute_t<T>*, const T*, \
+                                        const T*, const T*, const int64_t*, int64_t, int64_t, int64_t, int64_t,  \
+                                        double);
+ATTNPP_FOR_ALL_DTYPES(INSTANTIATE)
+
+}  // namespace attnpp::ATTNPP_CPU_NS
