@@ -2,12 +2,15 @@
 // (N, V) logits (Wijmans et al., "Cut Your Losses in Large-Vocabulary Language Models", 2024; Liger Kernel's
 // fused linear cross-entropy). A chunk's logits (rows x V, at most kLogitsBytes) are computed once, turned into
 // their losses and, when the gradient's row weights are known, into the logits' gradient in place, which then
-// feeds the two gradient products: the three products of the unfused pair, no more.
+// feeds the two gradient products: the three products of the unfused pair, no more. The products that read the
+// weight go a block of the vocabulary at a time (gemm_parallel packs its B operand whole: a block of the weight,
+// kVocabBlock x E, not all of it), so that memory stays one chunk of logits and two such blocks.
 #include <algorithm>
 #include <cmath>
 #include <memory>
 #include <vector>
 
+#include "gemm.hpp"
 #include "linear.hpp"
 #include "row_softmax.hpp"
 #include "training.hpp"
@@ -16,6 +19,7 @@ namespace attnpp::ATTNPP_CPU_NS {
 namespace {
 
 constexpr int64_t kLogitsBytes = int64_t(32) << 20;  // one chunk's logits
+constexpr int64_t kVocabBlock = 4096;                 // rows of the weight a product packs at a time
 
 // In the compute type C (float or double): see linear_cross_entropy in training.hpp.
 template <typename C>
@@ -26,10 +30,15 @@ void fused(C* losses, C* logsumexp, C* dx, C* dw, C* db, const C* row_weight, co
   const C smooth = eps / C(V);  // each class's share of the smoothing
   for (int64_t r0 = 0; r0 < N; r0 += rows) {
     const int64_t R = std::min(rows, N - r0);
-    linear_forward<C>(z.data(), x + r0 * E, w, b, R, E, V);  // z = x w^T + b
+    const C* xc = x + r0 * E;
+    for (int64_t v0 = 0; v0 < V; v0 += kVocabBlock)  // z = x w^T (+ b below)
+      gemm_parallel(z.data() + v0, V, row_major(xc, E), transposed(w + v0 * E, E), R, std::min(kVocabBlock, V - v0),
+                    E, C(1), Write::assign);
     parallel_for(R, R * V, [&](int64_t r) {
       const int64_t i = r0 + r;
       C* zr = z.data() + r * V;
+      if (b)
+        for (int64_t j = 0; j < V; ++j) zr[j] += b[j];
       const bool ignored = target[i] == ignore_index;
       if (losses) {
         // loss_i = lse - (1 - eps) z_t - eps mean_j z_j, as log_sum + (1 - eps)(m - z_t) + eps (m - mean z) with
@@ -62,8 +71,15 @@ void fused(C* losses, C* logsumexp, C* dx, C* dw, C* db, const C* row_weight, co
       // at the target, p - 1 = expm1(z_t - lse): exact even when p is within an ulp of 1
       zr[target[i]] = wi * (std::expm1(z_target - lse) + (eps - smooth));
     });
-    // dx += dz w, dw += dz^T x, db += the column sums of dz   <- z = x w^T + b
-    if (row_weight) linear_backward<C>(dx ? dx + r0 * E : nullptr, dw, db, z.data(), x + r0 * E, w, R, E, V);
+    if (!row_weight) continue;
+    // dw += dz^T x, db += the column sums of dz; dx += dz w   <- z = x w^T + b (a narrow E: linear_backward's
+    // dot products, which pack nothing of the weight)
+    const bool narrow = E < gemm_detail::Vec<C>::width;
+    linear_backward<C>(narrow && dx ? dx + r0 * E : nullptr, dw, db, z.data(), xc, w, R, E, V);
+    if (dx && !narrow)
+      for (int64_t v0 = 0; v0 < V; v0 += kVocabBlock)
+        gemm_parallel(dx + r0 * E, E, row_major(z.data() + v0, V), row_major(w + v0 * E, E), R, E,
+                      std::min(kVocabBlock, V - v0), C(1), Write::accumulate);
   }
 }
 

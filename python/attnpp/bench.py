@@ -128,14 +128,16 @@ SIZES = {
                 steps=10000, repeats=10, min_sample=0.020, sgemm=2048,
                 transformers=dict(model=dict(hidden_size=768, intermediate_size=2048, num_hidden_layers=12,
                                              num_attention_heads=12, num_key_value_heads=4, vocab_size=32000),
-                                  label="125M", prefill=(2048, 8192), window=(1024, 8192), decode=(2048, 64))),
+                                  label="125M", prefill=(2048, 8192), window=(1024, 8192), decode=(2048, 64)),
+                lce=(4096, 768, 50257), lce_article=(30, 5, 50257), lce_memory=(8192, 768, 50257)),
     True: dict(kernel=[((1, 2, 64, 16), False), ((2, 2, 32, 16), True)],
                memory=(1, 2, 256, 16), mha=(2, 16, 32, 4), article004=(2, 10, 64, 8),
                window=((1, 2, 128, 16), 16), decode=(2, 4, 2, 16, 64), varlen=(3, 5, 40, 2, 16),
                steps=9, repeats=3, min_sample=0.002, sgemm=256,
                transformers=dict(model=dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                                             num_attention_heads=4, num_key_value_heads=2, vocab_size=256),
-                                 label="tiny", prefill=(64, 128), window=(16, 128), decode=(64, 4))),
+                                 label="tiny", prefill=(64, 128), window=(16, 128), decode=(64, 4)),
+               lce=(64, 16, 500), lce_article=(30, 5, 500), lce_memory=(128, 16, 500)),
 }
 # window: ((B, H, L, D), window); decode: (B, query heads, KV heads, D, cached tokens); varlen: (sequences, shortest,
 # longest, H, D); transformers: the Llama-like model's configuration, prefill lengths, the Mistral-like model's
@@ -697,6 +699,56 @@ def half_cases(size, repeats, float32_growth, float32_decode):
     return cases
 
 
+# ------------------------------------------------------------------------- fused linear + cross-entropy (issue 23)
+def linear_cross_entropy_calls(N, E, V):
+    """(attnpp call, PyTorch call): the loss (mean) of N rows of width E over a V-word vocabulary with its
+    gradients of input, weight and bias; attnpp's linear_cross_entropy (gradients in the forward, scaled by the
+    backward) against PyTorch's linear + cross_entropy and ``loss.backward()``."""
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((N, E), dtype=np.float32)
+    w = rng.standard_normal((V, E), dtype=np.float32) / np.float32(math.sqrt(E))
+    b = rng.standard_normal(V, dtype=np.float32)
+    t = rng.integers(0, V, N)
+
+    def attnpp_call():
+        out = F.linear_cross_entropy_forward(x, w, t, b)
+        F.linear_cross_entropy_backward(1.0, x, w, t, out.logsumexp, b, grads=out.grads)
+
+    leaves = [from_numpy(a).requires_grad_() for a in (x, w, b)]
+    target = torch.from_numpy(t)
+    return attnpp_call, torch_forward_backward(lambda: TF.cross_entropy(TF.linear(*leaves), target), leaves, None)
+
+
+def linear_cross_entropy_memory_summary(shape):
+    """The fused loss's memory line: each side's growth beyond its gradients (input, weight, bias), against
+    issue 23's 64 MiB."""
+    N, E, V = shape
+    grads = 4 * (N * E + V * E + V) / MIB
+
+    def line(result):
+        if result.memory[0] is None:
+            return f"memory linear_cross_entropy {fmt_shape(shape)}: n/a (/proc/self/clear_refs is not writable)"
+        beyond = [m - grads for m in result.memory]
+        return (f"memory linear_cross_entropy fwd+bwd N={N} E={E} V={V}: beyond the gradients ({grads:.0f} MiB) "
+                f"attnpp {beyond[0]:.0f} MiB, PyTorch's linear + cross_entropy {beyond[1]:.0f} MiB; issue 23's "
+                f"bound 64 MiB: {'met' if beyond[0] <= 64 else 'NOT met'}")
+    return line
+
+
+def linear_cross_entropy_cases(size):
+    """Issue 23's cases: the fused loss at a language model's width and at article 001's, and its memory."""
+    cases = []
+    for label, (N, E, V), target in (("", size["lce"], 1.2), (" (article 001's width)", size["lce_article"], 2.0)):
+        cases.append(Case(f"linear_cross_entropy fwd+bwd N={N} E={E} V={V}{label} vs linear + cross_entropy",
+                          lambda n=N, e=E, v=V: linear_cross_entropy_calls(n, e, v),
+                          flops=6.0 * N * E * V, target=target, issue=23))
+    N, E, V = size["lce_memory"]
+    cases.append(Case(f"memory linear_cross_entropy fwd+bwd N={N} E={E} V={V} vs linear + cross_entropy",
+                      lambda: linear_cross_entropy_calls(N, E, V), flops=6.0 * N * E * V,
+                      pairs=MEMORY_PAIRS, summary=linear_cross_entropy_memory_summary((N, E, V)), issue=23))
+    return cases
+
+
 # ----------------------------------------------------------------------------- Hugging Face transformers models
 def hf_models(kind, model_size, reference, window=None, dtype="float32"):
     """(attnpp model, ``reference`` model): a random-initialised Llama-like (``kind`` "llama") or Mistral-like
@@ -869,6 +921,7 @@ def make_cases(quick, repeats):
         cases.append(Case(f"MultiheadAttention fwd+bwd {fmt_shape((B, L, E))} H={H} need_weights={need_weights}",
                           lambda w=need_weights: mha_calls(B, L, E, H, w)))
     cases += half_cases(size, repeats, float32_growth, float32_decode)
+    cases += linear_cross_entropy_cases(size)
     cases += transformers_cases(size)
     B4, T4, E4, H4 = size["article004"]
     articles = [("article 000 MultiheadAttention", (5, 6, 3), article000_pair),
