@@ -8,6 +8,7 @@ differentiable).
 
 - ``scaled_dot_product_attention``: as ``torch.nn.functional.scaled_dot_product_attention``.
 - ``linear`` and ``Linear``: as ``torch.nn.functional.linear`` and ``torch.nn.Linear``.
+- ``linear_cross_entropy``: ``cross_entropy(linear(...))`` fused, without the (N, V) logits.
 - ``MultiheadAttention``: as ``torch.nn.MultiheadAttention`` (its subclass: same parameters, state dict and
   initialisation), attnpp's compute.
 - ``Attention``: ``attnpp.nn.Attention`` with torch parameters.
