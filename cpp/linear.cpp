@@ -126,8 +126,10 @@ void linear_backward(T* dx, T* dw, T* db, const T* dy, const T* x, const T* w, i
       // dw^T = x^T dy (Fin, Fout), wide, then dw += (dw^T)^T
       std::unique_ptr<T[]> dwt(new T[Fin * Fout]);
       gemm_parallel(dwt.get(), Fout, transposed(x, Fin), row_major(dy, Fout), Fin, Fout, M, T(1), Write::assign);
-      for (int64_t o = 0; o < Fout; ++o)
-        for (int64_t f = 0; f < Fin; ++f) dw[o * Fin + f] += dwt[f * Fout + o];
+      parallel_for_chunks(Fout, [&](int64_t begin, int64_t end) {
+        for (int64_t o = begin; o < end; ++o)
+          for (int64_t f = 0; f < Fin; ++f) dw[o * Fin + f] += dwt[f * Fout + o];
+      });
     } else {
       // dx += dy w                            <- y = x w^T
       if (dx) gemm_parallel(dx, Fin, row_major(dy, Fout), row_major(w, Fin), M, Fin, Fout, T(1), Write::accumulate);

@@ -4,7 +4,7 @@
 // their losses and, when the gradient's row weights are known, into the logits' gradient in place, which then
 // feeds the two gradient products: the three products of the unfused pair, no more. The products that read the
 // weight go a block of the vocabulary at a time (gemm_parallel packs its B operand whole: a block of the weight,
-// kVocabBlock x E, not all of it), so that memory stays one chunk of logits and two such blocks.
+// at most kPackBytes, not all of it), so that memory stays one chunk of logits and two such blocks.
 #include <algorithm>
 #include <cmath>
 #include <memory>
@@ -19,7 +19,7 @@ namespace attnpp::ATTNPP_CPU_NS {
 namespace {
 
 constexpr int64_t kLogitsBytes = int64_t(32) << 20;  // one chunk's logits
-constexpr int64_t kVocabBlock = 4096;                 // rows of the weight a product packs at a time
+constexpr int64_t kPackBytes = int64_t(12) << 20;   // the block of the weight a product packs at a time
 
 // In the compute type C (float or double): see linear_cross_entropy in training.hpp.
 template <typename C>
@@ -28,12 +28,15 @@ void fused(C* losses, C* logsumexp, C* dx, C* dw, C* db, const C* row_weight, co
   const int64_t rows = std::clamp<int64_t>(kLogitsBytes / (V * int64_t(sizeof(C))), 1, std::max<int64_t>(N, 1));
   std::vector<C> z(std::size_t(std::min(rows, N) * V));
   const C smooth = eps / C(V);  // each class's share of the smoothing
+  // vocabulary rows per block: 4096 at E = 768 in float; the whole vocabulary for a narrow E (fewer, larger
+  // parallel loops)
+  const int64_t block = std::max<int64_t>(1, kPackBytes / (std::max<int64_t>(E, 1) * int64_t(sizeof(C))));
   for (int64_t r0 = 0; r0 < N; r0 += rows) {
     const int64_t R = std::min(rows, N - r0);
     const C* xc = x + r0 * E;
-    for (int64_t v0 = 0; v0 < V; v0 += kVocabBlock)  // z = x w^T (+ b below)
-      gemm_parallel(z.data() + v0, V, row_major(xc, E), transposed(w + v0 * E, E), R, std::min(kVocabBlock, V - v0),
-                    E, C(1), Write::assign);
+    for (int64_t v0 = 0; v0 < V; v0 += block)  // z = x w^T (+ b below)
+      gemm_parallel(z.data() + v0, V, row_major(xc, E), transposed(w + v0 * E, E), R, std::min(block, V - v0), E,
+                    C(1), Write::assign);
     parallel_for(R, R * V, [&](int64_t r) {
       const int64_t i = r0 + r;
       C* zr = z.data() + r * V;
@@ -77,9 +80,9 @@ void fused(C* losses, C* logsumexp, C* dx, C* dw, C* db, const C* row_weight, co
     const bool narrow = E < gemm_detail::Vec<C>::width;
     linear_backward<C>(narrow && dx ? dx + r0 * E : nullptr, dw, db, z.data(), xc, w, R, E, V);
     if (dx && !narrow)
-      for (int64_t v0 = 0; v0 < V; v0 += kVocabBlock)
+      for (int64_t v0 = 0; v0 < V; v0 += block)
         gemm_parallel(dx + r0 * E, E, row_major(z.data() + v0, V), row_major(w + v0 * E, E), R, E,
-                      std::min(kVocabBlock, V - v0), C(1), Write::accumulate);
+                      std::min(block, V - v0), C(1), Write::accumulate);
   }
 }
 

@@ -8,6 +8,7 @@ positions): eager's float64 mask (finfo.min added to the scores) overflows to -i
 rows of a left-padded batch, whose NaN then reaches every row of that sequence.
 """
 import copy
+import datetime
 import os
 import socket
 
@@ -276,21 +277,22 @@ def test_dropout_reaches_attnpp(monkeypatch):
 
 
 def _ddp_rank(rank, world, port, out_dir):
-    """One rank of the 2-process step: its half of the batch, gradients averaged by DDP (gloo)."""
+    """One rank of the 2-process step: its half of the batch, gradients averaged by DDP (gloo). It ends with
+    os._exit once both ranks are done: freeing a DDP Reducer at the function's return can deadlock (the gloo
+    process group's destructor, run with the GIL held, joins a worker thread that waits for the GIL to free
+    the last collective's Python state; seen once in a clean-clone CI run)."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
-    torch.distributed.init_process_group("gloo", rank=rank, world_size=world,
-                                         timeout=__import__("datetime").timedelta(seconds=120))
-    try:
-        model = make("llama", "attnpp", torch.float64)
-        ddp = torch.nn.parallel.DistributedDataParallel(model)
-        ids = torch.randint(1, 128, (4, T), generator=torch.Generator().manual_seed(2))[2 * rank:2 * rank + 2]
-        ddp.train()
-        ddp(ids, labels=ids).loss.backward()
-        if rank == 0:
-            torch.save({n: p.grad for n, p in model.named_parameters()}, out_dir / "ddp.pt")
-    finally:
-        torch.distributed.destroy_process_group()
+    torch.distributed.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=120))
+    model = make("llama", "attnpp", torch.float64)
+    ddp = torch.nn.parallel.DistributedDataParallel(model)
+    ids = torch.randint(1, 128, (4, T), generator=torch.Generator().manual_seed(2))[2 * rank:2 * rank + 2]
+    ddp.train()
+    ddp(ids, labels=ids).loss.backward()
+    if rank == 0:
+        torch.save({n: p.grad for n, p in model.named_parameters()}, out_dir / "ddp.pt")
+    torch.distributed.barrier()
+    os._exit(0)
 
 
 def test_ddp_step_equals_single_process(tmp_path):
