@@ -55,8 +55,9 @@ eigen=$(eigen_dir) || { "$PY" -m pip install -q cmeel-eigen && eigen=$(eigen_dir
 # The flags of CMakeLists.txt's kernels (ATTNPP_FLAGS, ATTNPP_DEFINITIONS) plus the level's -march. No dispatch.cpp:
 # the test defines thread_count() itself (dispatch.cpp's level table needs the default level linked in too).
 # buffer_pool.cpp: the packed operands of the products come from it.
-sources=(tests/cpp/test_kernels.cpp cpp/attention.cpp cpp/linear.cpp cpp/dropout.cpp cpp/embedding.cpp
-         cpp/cross_entropy.cpp cpp/optim.cpp cpp/rotary.cpp cpp/kernels.cpp cpp/buffer_pool.cpp)
+# The kernel sources are CMakeLists.txt's ATTNPP_KERNEL_SOURCES (one list, read from there).
+mapfile -t kernel_sources < <(sed -n '/^set(ATTNPP_KERNEL_SOURCES/,/)/p' CMakeLists.txt | grep -o 'cpp/[A-Za-z0-9_]*\.cpp')
+sources=(tests/cpp/test_kernels.cpp "${kernel_sources[@]}" cpp/buffer_pool.cpp)
 flags=(-O3 -fno-math-errno -fopenmp -std=c++17 -DEIGEN_GEMM_TO_COEFFBASED_THRESHOLD=0 -Icpp -I"$eigen")
 declare -A pid
 build() {  # build NAME COMPILER FLAGS...: the binary $work/NAME, its compiler output in $work/NAME.build.log
