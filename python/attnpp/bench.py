@@ -779,6 +779,7 @@ def attention_timer(impl, total):
     from transformers import AttentionInterface
     from transformers.models.llama.modeling_llama import eager_attention_forward
     mapping = AttentionInterface._global_mapping
+    registered = impl in mapping  # (eager is not: the model's own function is its default)
     inner = mapping.get(impl, eager_attention_forward)
 
     def timed(*args, **kwargs):
@@ -790,7 +791,7 @@ def attention_timer(impl, total):
     try:
         yield
     finally:
-        if impl in ("attnpp", "sdpa"):
+        if registered:
             mapping[impl] = inner
         else:
             del mapping[impl]

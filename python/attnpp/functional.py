@@ -1215,9 +1215,9 @@ def linear_cross_entropy_backward(grad_output, input, weight, target, logsumexp,
         if reduction == "none":
             raise ValueError('grads: the forward computes them for the "mean" and "sum" reductions only')
         want = (np.shape(input), w.shape, None if b is None else b.shape)
-        if (not isinstance(grads, tuple) or len(grads) != 3 or any(
-                (a is None) != (s is None) or (a is not None and (not isinstance(a, np.ndarray) or a.shape != s
-                                                                  or a.dtype != dt)) for a, s in zip(grads, want))):
+        layout = lambda a: None if a is None else (a.shape, a.dtype) if isinstance(a, np.ndarray) else "?"
+        if not isinstance(grads, tuple) or tuple(map(layout, grads)) != tuple(
+                None if s is None else (s, dt) for s in want):
             raise ValueError(f"grads: expected the forward's (grad_input, grad_weight, grad_bias) of shapes {want} "
                              f"and dtype {dt}")
         for a in grads:
