@@ -237,6 +237,7 @@ void forward(const View4<Q>& out, compute_t<T>* logsumexp, const View4<const Q>&
         for (int64_t r = 0; r < R; ++r) {
           const int64_t h = b.head(r), i = b.query(r);
           C& lse = logsumexp[cfg.lse_index(n, h, i)];
+          const C lse_prev = cfg.accumulate ? lse : neg_inf<C>();
           const C lse_keys = l(r) == 0 ? neg_inf<C>() : m(r) + std::log(l(r));
           if (cfg.sinks) {  // the sink joins the denominator: lse = log(exp(lse_keys) + exp(sink))
             lse = log_add_exp(lse_keys, cfg.sinks[h]);
@@ -251,7 +252,13 @@ void forward(const View4<Q>& out, compute_t<T>* logsumexp, const View4<const Q>&
             o_row = acc.row(r) / l(r);
             lse = lse_keys;
           }
-          store_n(out.at(n, h, vis.q0 + i), o_row.data(), cfg.Dv);  // rounded once, for halves
+          Q* dst = out.at(n, h, vis.q0 + i);
+          if (cfg.accumulate && lse_prev != neg_inf<C>()) {  // o = (o_prev e^lse_prev + o_keys e^lse_keys) / e^lse
+            lse = log_add_exp(lse_prev, lse);
+            const C w_prev = std::exp(lse_prev - lse), w_keys = l(r) == 0 ? C(0) : std::exp(lse_keys - lse);
+            for (int64_t c = 0; c < cfg.Dv; ++c) o_row(c) = w_prev * load(dst[c]) + w_keys * o_row(c);
+          }
+          store_n(dst, o_row.data(), cfg.Dv);  // rounded once, for halves
         }
       },
       true);

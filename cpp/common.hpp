@@ -151,6 +151,9 @@ struct AttnConfig {
   // bfloat16 only: the backward with PyTorch's CPU flash attention's numerics (delta from the rounded output; at
   // avx512_bf16 the scores' gradient rounded to bfloat16 for its products): faster, less accurate.
   bool reduced_precision = false;
+  // The forward merges its keys into a partial result over other keys already in out and logsumexp (each row's
+  // normalized output and log-sum-exp; 0 and -inf for none), as ring attention merges the blocks of its ring.
+  bool accumulate = false;
   C softcap = 0;                   // > 0: scores become softcap * tanh(scores / softcap) (Gemma 2), before masks
   const C* alibi = nullptr;        // ALiBi slopes: score -= alibi[n * alibi_n + h] * |i + S - L - j|
   int64_t alibi_n = 0;

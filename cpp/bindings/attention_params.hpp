@@ -34,6 +34,7 @@ struct AttentionParams {
   int64_t window_left = -1, window_right = -1;  // keys [i + S - L - left, i + S - L + right]; -1 unbounded
   double softcap = 0.0;                         // 0: none
   bool reduced_precision = false;               // bfloat16: the backward as PyTorch's flash kernel
+  bool accumulate = false;                      // the forward merges into out and logsumexp's partial result
   py::object alibi_slopes = py::none();         // (1 or N, Hq) of the compute dtype (float32 for the halves)
   py::object sinks = py::none();                // (Hq,) of the compute dtype
   py::object cu_seqlens_q = py::none(), cu_seqlens_k = py::none();  // (N + 1,) int64: packed sequences
@@ -63,7 +64,7 @@ struct Problem {
       throw py::value_error("causal: not a Causal value");
     cfg.scale = compute_t<T>(p.scale), cfg.causal = p.causal, cfg.dropout_p = p.dropout_p, cfg.seed = p.seed;
     cfg.window_left = p.window_left, cfg.window_right = p.window_right, cfg.softcap = compute_t<T>(p.softcap);
-    cfg.reduced_precision = p.reduced_precision;
+    cfg.reduced_precision = p.reduced_precision, cfg.accumulate = p.accumulate;
     for (const auto& m : p.masks) add_mask(m);
     if (!p.alibi_slopes.is_none()) {
       const auto a = *optional_array(p.alibi_slopes, "alibi_slopes");
@@ -76,6 +77,7 @@ struct Problem {
     if (const auto a = optional_array(p.sinks, "sinks")) {
       sinks = copy_of(*a, "sinks", cfg.Hq);
       cfg.sinks = sinks.data();
+      if (cfg.accumulate) throw py::value_error("accumulate: not with sinks (each call would count them again)");
     }
     const auto cu_seqlens_q = optional_array(p.cu_seqlens_q, "cu_seqlens_q");
     const auto cu_seqlens_k = optional_array(p.cu_seqlens_k, "cu_seqlens_k");

@@ -431,7 +431,8 @@ PYBIND11_MODULE(_core, m) {
                               "The parameters of sdpa_forward/backward/weights: scale (1.0), causal (Causal.none), "
                               "dropout_p (0.0), seed (0), masks (AttentionMask list, summed into the scores), "
                               "window_left, window_right (-1 unbounded; keys [i + S - L - left, i + S - L + right]), "
-                              "softcap (0 none), alibi_slopes ((1 or N, Hq) or None), sinks ((Hq,) or None), "
+                              "softcap (0 none), accumulate (False; True: the forward merges its keys into the partial result over other "
+                              "keys that out and logsumexp hold), alibi_slopes ((1 or N, Hq) or None), sinks ((Hq,) or None), "
                               "cu_seqlens_q and cu_seqlens_k ((N + 1,) int64: packed sequences in the arrays' one "
                               "batch entry), seqlens_k ((N,) int64: keys per batch entry, a KV cache).")
       .def(py::init<>(), "The defaults; the fields are then set as attributes.")
@@ -444,6 +445,7 @@ PYBIND11_MODULE(_core, m) {
       .def_readwrite("window_right", &AttentionParams::window_right)
       .def_readwrite("softcap", &AttentionParams::softcap)
       .def_readwrite("reduced_precision", &AttentionParams::reduced_precision)
+      .def_readwrite("accumulate", &AttentionParams::accumulate)
       .def_readwrite("alibi_slopes", &AttentionParams::alibi_slopes)
       .def_readwrite("sinks", &AttentionParams::sinks)
       .def_readwrite("cu_seqlens_q", &AttentionParams::cu_seqlens_q)

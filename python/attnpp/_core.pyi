@@ -71,6 +71,7 @@ class AttentionParams:
     window_right: int  # -1
     softcap: float  # 0.0 (none)
     reduced_precision: bool  # False; bfloat16: the backward with PyTorch's flash kernel's numerics
+    accumulate: bool  # False; True: the forward merges its keys into the partial result out and logsumexp hold
     alibi_slopes: Optional[_FloatArray]  # (1 or N, Hq)
     sinks: Optional[_FloatArray]  # (Hq,)
     cu_seqlens_q: Optional[_IndexArray]  # (N + 1,): packed sequences in the arrays' one batch entry

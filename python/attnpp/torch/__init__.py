@@ -42,9 +42,9 @@ import numpy as np
 import torch
 from torch.autograd.function import once_differentiable
 
-from . import functional as AF
-from ._checks import BFLOAT16, bfloat16_tensor_as_ndarray, check_attention_layer_shapes, check_probability
-from .nn.attention import attention_config_of, rotary_tables, variant_args
+from .. import functional as AF
+from .._checks import BFLOAT16, bfloat16_tensor_as_ndarray, check_attention_layer_shapes, check_probability
+from ..nn.attention import attention_config_of, rotary_tables, variant_args
 
 __all__ = ["scaled_dot_product_attention", "linear", "linear_cross_entropy", "Linear", "MultiheadAttention",
            "Attention", "from_numpy", "to_numpy"]
