@@ -511,7 +511,16 @@ class Attention(torch.nn.Module):
     out_dropout=0.0, scale, context_length, and the variants window, alibi=False, softcap, sinks=False,
     rotary=False, rotary_dim, rotary_base=10000.0, rotary_interleaved=False; checked by the same
     ``attention_config``, documented there), except ``dtype`` (torch.dtype, optional): float32, float64, float16
-    or bfloat16, default torch's default dtype; the output dropout is a ``torch.nn.Dropout``.
+    or bfloat16, default torch's default dtype; the output dropout is a ``torch.nn.Dropout``. And:
+
+    - ``context_parallel_group`` (ProcessGroup, optional): context parallelism: the layer's input ``x`` is this
+      rank's shard of the sequence (``attnpp.torch.distributed.shard_sequence``), the projections run on it
+      locally and the attention over the whole sequence runs as ``attnpp.torch.distributed.ring_attention``
+      over the group (every rank of the group calls the layer, and its backward). Self-attention without
+      ``key_padding_mask``, ``need_weights``, attention dropout in training, ``alibi``, ``softcap`` or
+      ``sinks``; rotary positions are those of the whole sequence. Default: None (one process).
+    - ``context_parallel_layout`` (str): the shards' layout, ``"contiguous"`` or ``"zigzag"`` (balanced under
+      the causal mask). Default: ``"contiguous"``.
 
     Sub-modules (``attnpp.torch.Linear``, weight (out, in), torch.nn.Linear's initialisation): ``q_proj``
     (E -> qk_dim), ``k_proj`` (kv_dim -> qk_dim), ``v_proj`` (kv_dim -> v_dim), ``out_proj`` (v_dim -> out_dim,
@@ -523,17 +532,27 @@ class Attention(torch.nn.Module):
     Raises:
         ValueError: H not dividing qk_dim or v_dim, a non-positive width, dropout outside [0, 1), an unknown
         causal_alignment. TypeError: a dtype other than float32, float64, float16 or bfloat16, widths that are
-        not ints. And the variants' errors, as ``attnpp.nn.Attention`` lists them.
+        not ints. And the variants' errors, as ``attnpp.nn.Attention`` lists them; ValueError: a
+        ``context_parallel_group`` with a variant it does not take (alibi, softcap, sinks) or an unknown layout.
     """
 
     def __init__(self, embed_dim, num_heads=1, *, qk_dim=None, v_dim=None, kv_dim=None, out_dim=None, bias=True,
                  out_proj=True, out_bias=None, causal=False, causal_alignment="top_left", attn_dropout=0.0,
                  out_dropout=0.0, scale=None, context_length=None, window=None, alibi=False, softcap=None,
                  sinks=False, rotary=False, rotary_dim=None, rotary_base=10000.0, rotary_interleaved=False,
-                 dtype=None):
+                 dtype=None, context_parallel_group=None, context_parallel_layout="contiguous"):
         super().__init__()
         dtype = _check_dtype(dtype)
         config = attention_config_of(locals())
+        if context_parallel_group is not None:
+            from .distributed import check_layout
+            check_layout(context_parallel_layout)
+            for name, given in (("alibi", config["alibi_slopes"] is not None), ("softcap", config["softcap"] is not None),
+                                ("sinks", config["sinks"])):
+                if given:
+                    raise ValueError(f"context_parallel_group: not with {name} (ring attention takes the causal mask, "
+                                     f"a window and rotary positions only)")
+        self.context_parallel_group, self.context_parallel_layout = context_parallel_group, context_parallel_layout
         out_dropout, sinks = config.pop("out_dropout"), config.pop("sinks")
         self.__dict__.update(config)
         self.sinks = torch.nn.Parameter(torch.zeros(self.num_heads, dtype=dtype)) if sinks else None
@@ -582,6 +601,11 @@ class Attention(torch.nn.Module):
         B, L, S = x3.shape[0], x3.shape[1], c3.shape[1]
         heads = lambda t: t.unflatten(-1, (self.num_heads, -1)).transpose(1, 2)  # (B, T, H * d) -> (B, H, T, d)
         q, k, v = heads(self.q_proj(x3)), heads(self.k_proj(c3)), heads(self.v_proj(c3))
+        if self.context_parallel_group is not None:
+            out = self._context_parallel(q, k, v, context is not x, key_padding_mask, need_weights)
+            y = out.transpose(1, 2).reshape(B, L, self.v_dim)
+            y = self.out_drop(y if self.out_proj is None else self.out_proj(y))
+            return y if batched else y[0]
         if self.rotary:
             q, k = (_RotaryFunction.apply(t, *rotary_tables(self, t.shape[2], to_numpy(t).dtype),
                                           self.rotary_interleaved) for t in (q, k))
@@ -601,6 +625,24 @@ class Attention(torch.nn.Module):
         if not batched:
             y, weights = y[0], None if weights is None else weights[0]
         return (y, weights) if need_weights else y
+
+    def _context_parallel(self, q, k, v, cross, key_padding_mask, need_weights):
+        """The attention of this rank's shard (B, H, n, d) of q, k, v over the group's whole sequence."""
+        from . import distributed
+        for given, what in ((cross, "a context (cross-attention)"), (key_padding_mask is not None, "key_padding_mask"),
+                            (need_weights, "need_weights"),
+                            (self.training and self.attn_dropout > 0, "attention dropout in training")):
+            if given:
+                raise ValueError(f"context_parallel_group: not with {what}")
+        if self.rotary:  # the positions of the whole sequence: each segment of the shard at its own offset
+            segments = distributed.shard_segments(self.context_parallel_group, self.context_parallel_layout,
+                                                  q.shape[2])
+            cos, sin = rotary_tables(self, max(start + rows for start, _, rows in segments), to_numpy(q).dtype)
+            q, k = (torch.cat([_RotaryFunction.apply(t[:, :, local:local + rows], cos[start:start + rows],
+                                                     sin[start:start + rows], self.rotary_interleaved)
+                               for start, local, rows in segments], dim=2) for t in (q, k))
+        return distributed.ring_attention(q, k, v, self.context_parallel_group, is_causal=self.causal,
+                                          scale=self.scale, window=self.window, layout=self.context_parallel_layout)
 
     def extra_repr(self):
         variants = "".join(f", {name}={value!r}" for name, (value, default) in

@@ -57,7 +57,8 @@ _MAX_DIMS = 8  # (B..., H, n, D) of the opening exchange
 
 
 # ------------------------------------------------------------------------------------------- layouts
-def _check_layout(layout):
+def check_layout(layout):
+    """``layout`` if it is one of ``LAYOUTS``, else ValueError."""
     if layout not in LAYOUTS:
         raise ValueError(f"layout: expected one of {LAYOUTS}, got {layout!r}")
     return layout
@@ -69,6 +70,13 @@ def _segments(layout, rank, world, n):
         return [(rank * n, 0, n)]
     c = n // 2
     return [(rank * c, 0, c), ((2 * world - 1 - rank) * c, c, c)]
+
+
+def shard_segments(group, layout, n):
+    """The positions this rank's shard of ``n`` rows holds in the whole sequence: [(first position, first local
+    row, rows)], one segment (contiguous) or two (zigzag)."""
+    rank, world = _group_rank_world(group)
+    return _segments(check_layout(layout), rank, world, n)
 
 
 def _group_rank_world(group):
@@ -102,7 +110,7 @@ def shard_sequence(x, group=None, *, layout="contiguous", dim=-2):
         RuntimeError: torch.distributed not initialised.
     """
     rank, world = _group_rank_world(group)
-    parts = world * (2 if _check_layout(layout) == "zigzag" else 1)
+    parts = world * (2 if check_layout(layout) == "zigzag" else 1)
     L = x.shape[dim]
     if L % parts:
         raise ValueError(f"x: the sequence length {L} (dimension {dim} of {tuple(x.shape)}) must be a multiple of "
@@ -131,7 +139,7 @@ def gather_sequence(shard, group=None, *, layout="contiguous", dim=-2, timeout=N
         RuntimeError: torch.distributed not initialised; a rank that does not answer within ``timeout``.
     """
     rank, world = _group_rank_world(group)
-    _check_layout(layout)
+    check_layout(layout)
     dim = dim % shard.dim()
     n = shard.shape[dim]
     if layout == "zigzag" and n % 2:
@@ -151,6 +159,8 @@ def _wait(work, timeout, what):
     if timeout is None:
         work.wait()
         return
+    if not isinstance(timeout, datetime.timedelta):
+        timeout = datetime.timedelta(seconds=float(timeout))
     try:
         work.wait(timeout)
     except RuntimeError as e:
@@ -233,10 +243,8 @@ class _Ring:
             if t.dtype != query.dtype:
                 raise TypeError(f"{name}: expected the query's dtype {query.dtype}, got {t.dtype}")
         self.is_causal, self.enable_gqa = check_bool(is_causal, "is_causal"), check_bool(enable_gqa, "enable_gqa")
-        self.window, self.layout = check_window(window), _check_layout(layout)
+        self.window, self.layout = check_window(window), check_layout(layout)
         scale = check_scale(scale)
-        if isinstance(timeout, (int, float)):
-            timeout = datetime.timedelta(seconds=timeout)
         self.timeout, self.group = timeout, group
         self.rank, self.world = _group_rank_world(group)
         self.dtype = query.dtype
@@ -297,6 +305,10 @@ class _Ring:
         everyone = torch.stack(rows)
         shape = lambda r, k: tuple(everyone[r, 8 + k * _MAX_DIMS: 8 + k * _MAX_DIMS + int(everyone[r, 7])].tolist())
         for r in range(self.world):
+            if 0 in shape(r, 0)[-2:-1] + shape(r, 1)[-2:-1]:
+                raise ValueError(f"ring_attention: rank {r}'s shard is empty (query {shape(r, 0)}, key {shape(r, 1)}): "
+                                 f"every rank needs at least one position of the sequence")
+        for r in range(self.world):
             if not torch.equal(everyone[r], everyone[0]):
                 raise ValueError(
                     f"ring_attention: the ranks' shards or options differ: rank 0 passed query {shape(0, 0)}, key "
@@ -304,11 +316,7 @@ class _Ring:
                     f"{shape(r, 0)}, key {shape(r, 1)}, value {shape(r, 2)} ({self._options(everyone[r])}): every "
                     f"rank needs shards of equal shapes (pad the sequence to a multiple of the ranks) and the same "
                     f"arguments")
-        lengths = (int(everyone[0, 8 + query.dim() - 2]), int(everyone[0, 8 + _MAX_DIMS + query.dim() - 2]))
-        if min(lengths) == 0:
-            raise ValueError(f"ring_attention: empty shards on every rank (query {shape(0, 0)}, key {shape(0, 1)}): "
-                             f"a rank needs at least one position")
-        if self.layout == "zigzag" and (lengths[0] % 2 or lengths[1] % 2):
+        if self.layout == "zigzag" and (query.shape[-2] % 2 or key.shape[-2] % 2):
             raise ValueError(f"layout 'zigzag': the shards hold two chunks each, their length must be even, got "
                              f"query {shape(0, 0)}, key {shape(0, 1)}")
 
@@ -347,11 +355,14 @@ class _Ring:
         return dist.irecv(tensor, group=self.group, group_src=self._peer(offset), tag=tag)
 
     def _items(self):
-        """The (step, source rank, piece) this rank holds, in order: the blocks it receives (or owns)."""
-        for t in range(self.world):
-            s = self._peer(-t)
-            if t <= self.last[s]:
-                for p in range(len(self.pieces)):
+        """The (step, source rank, piece) this rank holds, in order: piece by piece, each around the ring. (In this
+        order the piece a rank sends at step t is the next one its successor receives: each rank posting the
+        next item's receive ahead and waiting for its sends one item later cannot deadlock, where the order step
+        by step would need every piece's receive posted ahead.)"""
+        for p in range(len(self.pieces)):
+            for t in range(self.world):
+                s = self._peer(-t)
+                if t <= self.last[s]:
                     yield t, s, p
 
     def _pass_keys(self, k4, v4, compute, with_grads=False):
@@ -426,8 +437,8 @@ class _Ring:
 
     # -------------------------------------------------------------------------------- forward and backward
     def forward(self, query, key, value):
-        """(output, logsumexp) of this rank's queries against the whole sequence, as tensors of the input dtype
-        (the log-sum-exp in float32 for the halves)."""
+        """(output, logsumexp) of this rank's queries against the whole sequence, in the compute dtype (float32
+        for the halves, not yet rounded)."""
         q4, k4, v4 = self.as_heads(query), self.as_heads(key), self.as_heads(value)
         out = torch.zeros(1, q4.shape[1], self.n, self.Dv, dtype=self.compute_dtype)
         lse = torch.full((1, q4.shape[1], self.n), -math.inf, dtype=self.compute_dtype)
@@ -447,8 +458,7 @@ class _Ring:
                     la[:, f0 * g:f1 * g, a0:a1] = part
 
         self._pass_keys(k4, v4, compute)
-        out = out.reshape(self.out_shape).to(self.dtype)
-        return out, lse.reshape(self.lse_shape)
+        return out.reshape(self.out_shape), lse.reshape(self.lse_shape)
 
     def backward(self, grad_output, query, key, value, output, logsumexp):
         """The gradients of this rank's query, key and value shards."""
@@ -479,9 +489,10 @@ class _RingAttentionFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, query, key, value, ring):
-        output, lse = ring.forward(query, key, value)
+        output, lse = ring.forward(query, key, value)  # (the halves' output kept in float32 for the backward)
         ctx.save_for_backward(query, key, value, output, lse)
         ctx.ring = ring
+        output = output.to(query.dtype)
         ctx.mark_non_differentiable(lse)
         return output, lse
 
@@ -545,4 +556,5 @@ def ring_attention(query, key, value, group=None, *, is_causal=False, scale=None
         output, lse = _RingAttentionFunction.apply(query, key, value, ring)
     else:
         output, lse = ring.forward(query, key, value)
+        output = output.to(query.dtype)
     return (output, lse) if return_logsumexp else output
