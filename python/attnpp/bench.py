@@ -49,6 +49,14 @@ and weights:
   case in bfloat16 (its attnpp growth at most half of the float32 case's), ``MultiheadAttention`` forward +
   backward, and the decode step (its caches and query in the dtype; bfloat16's target: 2 against PyTorch, and a
   line setting its time against attnpp's own float32 step, whose target is 1.7 times);
+- context parallelism (issue 24): ``attnpp.torch.distributed.ring_attention`` over 2 worker processes of one
+  thread each (gloo on the loopback, started once per run; the benchmark process drives them and waits) against
+  attnpp's attention in this process on 2 threads, which takes the table's PyTorch column in these rows, at
+  (1, 12, 16384, 64) float32: forward non-causal, causal zigzag and causal contiguous (unbalanced), forward +
+  backward non-causal and causal zigzag; target 0.8 on the balanced ones. The line of each gives every rank's
+  peak memory beyond its inputs and with them (its shards of query, key, value and output gradient) against
+  the one process's (target <= 60%), and zigzag's causal forward time against the non-causal one's (target
+  <= 60%). The workers' CPU time counts as "other processes" in the header;
 - the distance to the limit: a float32 2048 x 2048 matrix product (sgemm) through ``torch.mm`` and ``np.matmul``,
   timed in the same run on the same threads, next to the GFLOP/s of attnpp's attention forward (best and median
   of the ``sdpa fwd`` cases) and its share of PyTorch's sgemm rate (the issue's target: at least 70%); and the
@@ -129,7 +137,8 @@ SIZES = {
                 transformers=dict(model=dict(hidden_size=768, intermediate_size=2048, num_hidden_layers=12,
                                              num_attention_heads=12, num_key_value_heads=4, vocab_size=32000),
                                   label="125M", prefill=(2048, 8192), window=(1024, 8192), decode=(2048, 64)),
-                lce=(4096, 768, 50257), lce_article=(30, 5, 50257), lce_memory=(8192, 768, 50257)),
+                lce=(4096, 768, 50257), lce_article=(30, 5, 50257), lce_memory=(8192, 768, 50257),
+                context_parallel=(1, 12, 16384, 64)),
     True: dict(kernel=[((1, 2, 64, 16), False), ((2, 2, 32, 16), True)],
                memory=(1, 2, 256, 16), mha=(2, 16, 32, 4), article004=(2, 10, 64, 8),
                window=((1, 2, 128, 16), 16), decode=(2, 4, 2, 16, 64), varlen=(3, 5, 40, 2, 16),
@@ -137,7 +146,8 @@ SIZES = {
                transformers=dict(model=dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                                             num_attention_heads=4, num_key_value_heads=2, vocab_size=256),
                                  label="tiny", prefill=(64, 128), window=(16, 128), decode=(64, 4)),
-               lce=(64, 16, 500), lce_article=(30, 5, 500), lce_memory=(128, 16, 500)),
+               lce=(64, 16, 500), lce_article=(30, 5, 500), lce_memory=(128, 16, 500),
+               context_parallel=(1, 2, 256, 16)),
 }
 # window: ((B, H, L, D), window); decode: (B, query heads, KV heads, D, cached tokens); varlen: (sequences, shortest,
 # longest, H, D); transformers: the Llama-like model's configuration, prefill lengths, the Mistral-like model's
@@ -145,6 +155,10 @@ SIZES = {
 TRANSFORMERS_PAIRS = 3  # a prefill of 8192 tokens takes seconds per call
 TRANSFORMERS_TARGETS = {"prefill": 1.3, "window": 3.0}  # issue 22: attention time, sdpa's / attnpp's
 MEMORY_PAIRS = 3  # the memory case takes seconds per call: 3 pairs are enough
+# issue 24: 2 ranks of one thread against one process of two threads (attnpp both): at least 0.8 of its speed on
+# the balanced cases; per rank at most 60% of the one process's memory (inputs included); zigzag's causal forward
+# at most 60% of the non-causal forward's time
+CONTEXT_PARALLEL = dict(ranks=2, pairs=3, speed=0.8, memory=0.6, zigzag=0.6)
 SGEMM_SAMPLES = 5  # the sgemm is one reference figure, not a comparison: the median of 5 is stable enough
 SGEMM_TARGET = 0.70  # the issue's target: attnpp's attention forward at >= 70% of the same run's sgemm GFLOP/s
 
@@ -902,6 +916,72 @@ def transformers_cases(size):
     return cases
 
 
+def context_parallel_calls(shape, causal, layout, backward, info):
+    """(ring attention over the worker ranks, attnpp's attention in this process) on random (B, H, L, D) inputs;
+    ``info`` gets the inputs' MiB on each side."""
+    from . import _bench_ring
+    ring = _bench_ring.workers(CONTEXT_PARALLEL["ranks"])
+    info["inputs"] = [b / MIB for b in ring.setup(shape, layout, causal, backward)]
+    info["one"] = _bench_ring.inputs_mib(shape, backward)
+    one = attention_calls(sdpa_sides(random_inputs(shape), is_causal=causal), backward)[0]
+
+    class RingCall:  # (its own per-rank figures, for this case's line: the ranks are shared between cases)
+        __call__ = ring.__call__
+
+        def peak_growth_mib(self):
+            info["per_rank_mib"] = ring.peak_growth_mib()
+            return None if None in info["per_rank_mib"] else max(info["per_rank_mib"])
+    return RingCall(), one
+
+
+def context_parallel_summary(info, forward_times, balanced):
+    """A context-parallel case's line: each rank's peak memory, with its inputs, against the one process's; the
+    non-causal forward records its ring time in ``forward_times``, and zigzag's causal forward (``balanced``) sets
+    its own against it."""
+    def line(result):
+        ring_t = float(np.median(result.times[0]))
+        name = result.case.name.split(":")[0]
+        text = [f"{name}: ring {fmt_time(ring_t)}"]
+        if result.memory[1] is not None:
+            ranks = info["per_rank_mib"]
+            whole = [m + i for m, i in zip(ranks, info["inputs"])]
+            one = result.memory[1] + info["one"]
+            share = max(whole) / one
+            text.append(f"peak memory per rank {', '.join(f'{m:.0f}' for m in ranks)} MiB beyond its inputs, "
+                        f"{', '.join(f'{m:.0f}' for m in whole)} MiB with them, against one process's "
+                        f"{result.memory[1]:.0f} and {one:.0f} MiB: {share:.0%} (issue 24's target <= "
+                        f"{CONTEXT_PARALLEL['memory']:.0%}: {'met' if share <= CONTEXT_PARALLEL['memory'] else 'NOT met'})")
+        if "non-causal fwd" in name:
+            forward_times["full"] = ring_t
+        elif balanced and "fwd " in name and "fwd+bwd" not in name:
+            if "full" in forward_times:
+                share = ring_t / forward_times["full"]
+                text.append(f"{share:.0%} of the non-causal forward's time (issue 24's target <= "
+                            f"{CONTEXT_PARALLEL['zigzag']:.0%}: {'met' if share <= CONTEXT_PARALLEL['zigzag'] else 'NOT met'})")
+        return "; ".join(text)
+    return line
+
+
+def context_parallel_cases(size):
+    """Issue 24's cases: ring attention over 2 worker processes of one thread each (attnpp.torch.distributed,
+    gloo on the loopback) against attnpp in this process on 2 threads (the table's PyTorch column), forward and
+    forward + backward, causal (zigzag, and contiguous forward: unbalanced) and not."""
+    shape, ranks = size["context_parallel"], CONTEXT_PARALLEL["ranks"]
+    forward_times, cases = {}, []
+    for backward, causal, layout in ((False, False, "contiguous"), (False, True, "zigzag"), (False, True, "contiguous"),
+                                     (True, False, "contiguous"), (True, True, "zigzag")):
+        info = {}
+        kind = "fwd+bwd" if backward else "fwd"
+        balanced = layout == "zigzag" or not causal
+        name = (f"context-parallel {'' if causal else 'non-causal '}{kind} {fmt_shape(shape)}"
+                f"{' causal ' + layout if causal else ''}: {ranks} ranks x 1 thread vs 1 process x {ranks} threads")
+        cases.append(Case(name, lambda s=shape, c=causal, l=layout, b=backward, i=info: context_parallel_calls(s, c, l, b, i),
+                          flops=kernel_flops(shape, causal, backward), pairs=CONTEXT_PARALLEL["pairs"], issue=24,
+                          target=CONTEXT_PARALLEL["speed"] if balanced else None,
+                          summary=context_parallel_summary(info, forward_times, balanced)))
+    return cases
+
+
 def make_cases(quick, repeats):
     size = SIZES[quick]
     cases = []
@@ -924,6 +1004,7 @@ def make_cases(quick, repeats):
     cases += half_cases(size, repeats, float32_growth, float32_decode)
     cases += linear_cross_entropy_cases(size)
     cases += transformers_cases(size)
+    cases += context_parallel_cases(size)
     B4, T4, E4, H4 = size["article004"]
     articles = [("article 000 MultiheadAttention", (5, 6, 3), article000_pair),
                 ("article 004 MultiHeadAttention", (B4, T4, E4), lambda: article004_pair(B4, T4, E4, H4))]
@@ -1014,7 +1095,8 @@ def measure(case, repeats, min_sample):
     sides = case.build()
     # warm-up: first-call costs (lazy initialisation, thread start, first allocations) stay out of the timings
     first = [sample(call, 1) for call in sides]
-    memory = tuple(peak_growth_mib(call) for call in sides)
+    memory = tuple(call.peak_growth_mib() if hasattr(call, "peak_growth_mib") else peak_growth_mib(call)
+                   for call in sides)  # (a call run by other processes measures them)
     calls = tuple(case.calls_per_sample or calibrate(call, min_sample, t) for call, t in zip(sides, first))
     times = ([], [])
     for _ in range(case.pairs or repeats):

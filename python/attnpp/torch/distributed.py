@@ -369,31 +369,38 @@ class _Ring:
         """Walks the ring: for every piece of every block this rank holds, receives it (the next one's receive
         posted first), forwards it while ``compute(t, source, piece, k, v[, dk, dv])`` runs, and (``with_grads``)
         passes on the key/value gradients the computations added to. Returns the gradients of this rank's own
-        keys and values (with_grads) or None."""
+        keys and values (with_grads) or None.
+
+        Memory: two slots of piece buffers (keys, values and with_grads their gradients), one receiving the next
+        piece while the other holds the current one; a slot is reused once its sends are done. (Waiting for the
+        previous piece's sends before posting the next receive cannot deadlock: what a rank waits for, its
+        successor's receive of an earlier piece, only depends on pieces earlier still.)"""
         items = list(self._items())
-        pending = []  # (work, what)
-        recvs = {}  # item index -> (works, tensors)
+        widest = max(f1 - f0 for f0, f1 in self.pieces)
+        kinds = (0, 1, 2, 3) if with_grads else (0, 1)
+        like = (k4, v4, k4, v4)[:len(kinds)]
+        slots = [[torch.empty((1, widest) + t.shape[2:], dtype=t.dtype) for t in like] for _ in range(2)]
         dk4 = torch.zeros_like(k4) if with_grads else None
         dv4 = torch.zeros_like(v4) if with_grads else None
-        home = []
-        if with_grads:  # the sums of this rank's own pieces come home from the last rank that adds to them
-            hop = self.last[self.rank]
-            for p, (f0, f1) in enumerate(self.pieces):
-                if hop > 0:
-                    home += [(self._recv(dk4[:, f0:f1], hop, self._tag(4, hop, p)), "receiving the key gradients"),
-                             (self._recv(dv4[:, f0:f1], hop, self._tag(5, hop, p)), "receiving the value gradients")]
+        home = []  # this rank's own pieces' gradients come home from the last rank that adds to them
+        hop = self.last[self.rank] if with_grads else 0
+        for p, (f0, f1) in enumerate(self.pieces):
+            if hop > 0:
+                home += [(self._recv(dk4[:, f0:f1], hop, self._tag(4, hop, p)), "receiving the key gradients"),
+                         (self._recv(dv4[:, f0:f1], hop, self._tag(5, hop, p)), "receiving the value gradients")]
+        sends, recvs = [[], []], {}  # per slot: its pending sends; item index -> its receives
 
-        def post(i):
-            t, s, p = items[i]
-            if t == 0:
-                return
-            f0, f1 = self.pieces[p]
-            bufs = [torch.empty_like(k4[:, f0:f1]), torch.empty_like(v4[:, f0:f1])]
-            kinds = (0, 1)
-            if with_grads:
-                bufs += [torch.empty_like(k4[:, f0:f1]), torch.empty_like(v4[:, f0:f1])]
-                kinds = (0, 1, 2, 3)
-            recvs[i] = ([self._recv(b, -1, self._tag(kind, t, p)) for b, kind in zip(bufs, kinds)], bufs)
+        def buffers(i):
+            f0, f1 = self.pieces[items[i][2]]
+            return [b[:, :f1 - f0] for b in slots[i % 2]]
+
+        def post(i):  # the receives of item i, into its slot once the slot's sends are done
+            for work, what in sends[i % 2]:
+                _wait(work, self.timeout, what)
+            sends[i % 2] = []
+            t, _, p = items[i]
+            if t > 0:
+                recvs[i] = [self._recv(b, -1, self._tag(kind, t, p)) for b, kind in zip(buffers(i), kinds)]
 
         if items:
             post(0)
@@ -401,37 +408,29 @@ class _Ring:
             if i + 1 < len(items):
                 post(i + 1)
             f0, f1 = self.pieces[p]
-            if t == 0:
-                k, v = k4[:, f0:f1], v4[:, f0:f1]
-                if with_grads:
-                    own = self.last[s] == 0  # nobody else adds to it: straight into the result
-                    dk = dk4[:, f0:f1] if own else torch.zeros_like(k)
-                    dv = dv4[:, f0:f1] if own else torch.zeros_like(v)
-            else:
-                works, bufs = recvs.pop(i)
-                for w in works:
-                    _wait(w, self.timeout, f"receiving block {s}'s keys from rank {self._peer(-1)}")
-                k, v = bufs[0], bufs[1]
-                if with_grads:
-                    dk, dv = bufs[2], bufs[3]
+            bufs = buffers(i)
+            for work in recvs.pop(i, ()):
+                _wait(work, self.timeout, f"receiving block {s}'s keys from rank {self._peer(-1)}")
+            k, v = (k4[:, f0:f1], v4[:, f0:f1]) if t == 0 else bufs[:2]
+            mine = sends[i % 2]
             if t < self.last[s]:  # the next rank needs this block too: send it on now, it overlaps the compute
-                pending += [(self._send(k, 1, self._tag(0, t + 1, p)), "sending keys"),
-                            (self._send(v, 1, self._tag(1, t + 1, p)), "sending values")]
-            if with_grads:
-                compute(t, s, p, k, v, dk, dv)
-                if t < self.last[s]:
-                    pending += [(self._send(dk, 1, self._tag(2, t + 1, p)), "sending key gradients"),
-                                (self._send(dv, 1, self._tag(3, t + 1, p)), "sending value gradients")]
-                elif t > 0:  # the last rank to add to this block: its gradients go home
-                    back = s - self.rank
-                    pending += [(self._send(dk, back, self._tag(4, t, p)), "sending key gradients home"),
-                                (self._send(dv, back, self._tag(5, t, p)), "sending value gradients home")]
-            else:
+                mine += [(self._send(k, 1, self._tag(0, t + 1, p)), "sending keys"),
+                         (self._send(v, 1, self._tag(1, t + 1, p)), "sending values")]
+            if not with_grads:
                 compute(t, s, p, k, v)
-            while len(pending) > 4:  # at most one piece's sends in flight besides this one's (their memory)
-                work, what = pending.pop(0)
-                _wait(work, self.timeout, what)
-        for work, what in pending + home:
+                continue
+            dk, dv = bufs[2:]
+            if t == 0:  # this rank's own block: straight into the result when nobody else adds to it
+                dk, dv = (dk4[:, f0:f1], dv4[:, f0:f1]) if self.last[s] == 0 else (dk.zero_(), dv.zero_())
+            compute(t, s, p, k, v, dk, dv)
+            if t < self.last[s]:
+                mine += [(self._send(dk, 1, self._tag(2, t + 1, p)), "sending key gradients"),
+                         (self._send(dv, 1, self._tag(3, t + 1, p)), "sending value gradients")]
+            elif t > 0:  # the last rank to add to this block: its gradients go home
+                back = s - self.rank
+                mine += [(self._send(dk, back, self._tag(4, t, p)), "sending key gradients home"),
+                         (self._send(dv, back, self._tag(5, t, p)), "sending value gradients home")]
+        for work, what in sends[0] + sends[1] + home:
             _wait(work, self.timeout, what)
         return (dk4, dv4) if with_grads else None
 
