@@ -32,21 +32,10 @@ def _worker(rank, world, port, conn):
             break
         if command[0] == "setup":
             _, shape, layout, is_causal, backward = command
-            call, leaves = None, []
             shards = [shard_sequence(torch.from_numpy(a), layout=layout) for a in random_inputs(shape)]
             q, k, v, g = shards
-            kw = dict(is_causal=is_causal, layout=layout)
-            if backward:
-                leaves = [t.requires_grad_() for t in (q, k, v)]
-
-                def call(leaves=leaves, g=g, kw=kw):
-                    for t in leaves:
-                        t.grad = None
-                    ring_attention(*leaves, **kw).backward(g)
-            else:
-                def call(q=q, k=k, v=v, kw=kw):
-                    with torch.no_grad():
-                        ring_attention(q, k, v, **kw)
+            leaves = [t.requires_grad_() for t in (q, k, v)] if backward else []
+            call = _ring_call(ring_attention, q, k, v, g if backward else None, is_causal=is_causal, layout=layout)
             conn.send(sum(t.numel() * t.element_size() for t in (shards if backward else shards[:3])))
         elif command[0] == "call":
             for t in leaves:  # (the last call's gradients freed first: else the growth would not count them)
@@ -55,6 +44,20 @@ def _worker(rank, world, port, conn):
     torch.distributed.barrier()
     conn.send("stopped")
     os._exit(0)  # (no process-group teardown: see tests/test_transformers.py's DDP ranks)
+
+
+def _ring_call(ring_attention, q, k, v, grad_output, **options):
+    """One ring attention: forward under no_grad, or (``grad_output`` given) forward and backward, the leaves'
+    gradients set to None first."""
+    def call():
+        if grad_output is None:
+            with torch.no_grad():
+                ring_attention(q, k, v, **options)
+            return
+        for t in (q, k, v):
+            t.grad = None
+        ring_attention(q, k, v, **options).backward(grad_output)
+    return call
 
 
 class Workers:

@@ -547,8 +547,8 @@ class Attention(torch.nn.Module):
         if context_parallel_group is not None:
             from .distributed import check_layout
             check_layout(context_parallel_layout)
-            for name, given in (("alibi", config["alibi_slopes"] is not None), ("softcap", config["softcap"] is not None),
-                                ("sinks", config["sinks"])):
+            for name, given in (("alibi", config["alibi_slopes"] is not None),
+                                ("softcap", config["softcap"] is not None), ("sinks", config["sinks"])):
                 if given:
                     raise ValueError(f"context_parallel_group: not with {name} (ring attention takes the causal mask, "
                                      f"a window and rotary positions only)")

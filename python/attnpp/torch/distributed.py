@@ -15,9 +15,9 @@ Blockwise Transformers for Near-Infinite Context" (2023); the zigzag layout is L
 
 Layouts (P ranks, a sequence of length L; ``n = L / P`` rows per rank):
 
-- ``"contiguous"``: rank r holds positions [r n, (r + 1) n). Under the causal mask rank r attends to r + 1
-  shards of keys, so rank P - 1 works P times as long as rank 0: the ring takes the time of P (P + 1) / 2
-  shards' half-blocks... of the slowest rank: (2P - 1) / P times the balanced time (1.5 at P = 2).
+- ``"contiguous"``: rank r holds positions [r n, (r + 1) n). Under the causal mask rank r computes r full
+  blocks and a causal one (half a block), so the slowest rank, P - 1, takes (2P - 1) / P times the balanced
+  time (1.5 at P = 2).
 - ``"zigzag"``: the sequence cut in 2P chunks of n / 2, rank r holding chunks r and 2P - 1 - r (in that
   order). Under the causal mask every rank then does the same work: its diagonal block (a causal block of n
   rows) and, at each of the P - 1 other steps, half a block (one chunk of queries against a whole shard of
@@ -26,8 +26,8 @@ Layouts (P ranks, a sequence of length L; ``n = L / P`` rows per rank):
 
 Transfers: keys and values move in messages of whole heads, at most ``PIECE_BYTES`` per message where a head
 fits (an (S/P, D) head of keys and its values), the next message's receive posted before the current piece's
-compute so that the transfer overlaps it. A rank keeps three such pieces in flight at most: with the pieces,
-the memory of a rank is its shards (1/P of each tensor) plus a few MiB, whatever P. A block entirely hidden
+compute so that the transfer overlaps it. A rank holds two slots of pieces (the current one, the next one
+arriving): its memory is its shards (1/P of each tensor) plus a few MiB, whatever P. A block entirely hidden
 from a rank's queries (causal, window) is not computed, and a shard is not sent further than the last rank
 that needs it (the contiguous causal ring sends no shard from rank P - 1 to rank 0).
 
@@ -35,6 +35,7 @@ Every transfer and the opening exchange of the ranks' shapes and options wait at
 peer does not answer raises a RuntimeError instead of hanging.
 """
 import datetime
+import functools
 import math
 import struct
 
@@ -46,7 +47,7 @@ from torch.autograd.function import once_differentiable
 from .. import _core
 from .. import functional as AF
 from .._checks import check_bool, check_scale, check_window
-from . import _check_tensor, from_numpy, to_numpy
+from . import _check_tensor, to_numpy
 
 __all__ = ["ring_attention", "shard_sequence", "gather_sequence", "LAYOUTS", "PIECE_BYTES"]
 
@@ -229,6 +230,15 @@ def _plan(layout, rank, source, world, n, m, lo, hi):
     return calls
 
 
+@functools.lru_cache(maxsize=64)
+def _ring_plan(layout, world, n, m, lo, hi):
+    """(calls, last): calls[d][s], rank d's kernel calls against rank s's keys (``_plan``); last[s], the farthest
+    hop block s travels (the last rank along the ring that needs it). Kept per configuration: P^2 plans."""
+    calls = [[_plan(layout, d, s, world, n, m, lo, hi) for s in range(world)] for d in range(world)]
+    last = [max((u for u in range(world) if calls[(s + u) % world][s]), default=0) for s in range(world)]
+    return calls, last
+
+
 # ------------------------------------------------------------------------------------------- the ring
 class _Ring:
     """One ring attention's configuration, checked and agreed by every rank: the shards seen as
@@ -271,12 +281,7 @@ class _Ring:
         self.heads = math.prod(batch) * Hk  # key/value heads, batch entries flattened
         self.group_size = Hq // Hk
         self.out_shape, self.lse_shape = tuple(batch) + (Hq, n, Dv), tuple(batch) + (Hq, n)
-        lo, hi = _band(self.is_causal, self.window)
-        # calls[d][s]: rank d's queries against rank s's keys; last[s]: the farthest hop that block s travels
-        self.calls = [[_plan(self.layout, d, s, self.world, n, m, lo, hi) for s in range(self.world)]
-                      for d in range(self.world)]
-        self.last = [max((u for u in range(self.world) if self.calls[(s + u) % self.world][s]), default=0)
-                     for s in range(self.world)]
+        self.calls, self.last = _ring_plan(self.layout, self.world, n, m, *_band(self.is_causal, self.window))
         itemsize = torch.finfo(self.compute_dtype).bits // 8
         per_head = max(1, m * (D + Dv) * itemsize)
         step = max(1, PIECE_BYTES // per_head)
