@@ -104,6 +104,19 @@ void parallel_for_chunks(int64_t n, F&& body) {
   INSTANTIATE(bfloat16)                    \
   INSTANTIATE(float16)
 
+// One parameter of an optimizer step: the arrays of n elements it reads and updates in place, and its step count.
+// The optimizers update a list of them in one parallel loop (PyTorch's foreach implementations: one call, one
+// OpenMP region, for every parameter of a group).
+template <typename T>
+struct OptimizerSlot {
+  T* param = nullptr;
+  const T* grad = nullptr;
+  T* state0 = nullptr;  // SGD: the momentum buffer (null without momentum); AdamW: exp_avg
+  T* state1 = nullptr;  // AdamW: exp_avg_sq
+  int64_t n = 0;
+  int64_t step = 1;     // AdamW: the step count, from 1; SGD: 1 on the momentum buffer's first step
+};
+
 enum class Causal : int { none = 0, top_left = 1, bottom_right = 2 };
 
 // The keys each query row of one sequence sees: query i (of L) sees keys [first_key(i), last_key(i)] (of S), an

@@ -42,10 +42,10 @@ struct Kernels {
   void (*linear_cross_entropy)(C* losses, C* logsumexp, T* dx, T* dw, T* db, const C* row_weight, const T* x,
                                const T* w, const T* b, const int64_t* target, int64_t N, int64_t E, int64_t V,
                                int64_t ignore_index, double label_smoothing);
-  void (*sgd_step)(T* param, const T* grad, T* momentum_buffer, int64_t n, double lr, double momentum,
-                   double dampening, double weight_decay, bool nesterov, bool first);
-  void (*adamw_step)(T* param, const T* grad, T* exp_avg, T* exp_avg_sq, int64_t n, double lr, double beta1,
-                     double beta2, double eps, double weight_decay, int64_t step);
+  void (*sgd_step)(const OptimizerSlot<T>* slots, int64_t count, double lr, double momentum, double dampening,
+                   double weight_decay, bool nesterov);
+  void (*adamw_step)(const OptimizerSlot<T>* slots, int64_t count, double lr, double beta1, double beta2,
+                     double eps, double weight_decay);
   void (*rotary_forward)(const View4<T>& out, const View4<const T>& x, const T* cos, const T* sin,
                          const int64_t* offsets, int64_t N, int64_t H, int64_t L, int64_t D, int64_t R2,
                          bool interleaved);

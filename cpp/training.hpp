@@ -46,14 +46,14 @@ void linear_cross_entropy(compute_t<T>* losses, compute_t<T>* logsumexp, T* dx, 
                           const compute_t<T>* row_weight, const T* x, const T* w, const T* b, const int64_t* target,
                           int64_t N, int64_t E, int64_t V, int64_t ignore_index, double label_smoothing);
 
-// SGD with momentum, dampening, weight decay and Nesterov, as torch.optim.SGD; `first` marks the first step
-// (the momentum buffer starts as the gradient).
+// SGD with momentum, dampening, weight decay and Nesterov, as torch.optim.SGD (the momentum buffer starts as the
+// gradient on its first step).
 template <typename T>
-void sgd_step(T* param, const T* grad, T* momentum_buffer, int64_t n, double lr, double momentum,
-              double dampening, double weight_decay, bool nesterov, bool first);
-// AdamW as torch.optim.AdamW (decoupled weight decay, bias-corrected moments); step counts from 1.
+void sgd_step(const OptimizerSlot<T>* slots, int64_t count, double lr, double momentum, double dampening,
+              double weight_decay, bool nesterov);
+// AdamW as torch.optim.AdamW (decoupled weight decay, bias-corrected moments).
 template <typename T>
-void adamw_step(T* param, const T* grad, T* exp_avg, T* exp_avg_sq, int64_t n, double lr, double beta1,
-                double beta2, double eps, double weight_decay, int64_t step);
+void adamw_step(const OptimizerSlot<T>* slots, int64_t count, double lr, double beta1, double beta2, double eps,
+                double weight_decay);
 
 }  // namespace attnpp::ATTNPP_CPU_NS

@@ -823,11 +823,12 @@ def gen_optim(rng, call, which):
         wd = pick(rng, [0.0, 0.01])
         nest, first = chance(rng, 0.3), chance(rng, 0.5)
         buf = mk_out(rng, randn(rng, shape, dt)) if mom != 0 or chance(rng, 0.3) else None
-        call.add("param", "arr", param), call.add("grad", "arr", grad)
-        call.add("momentum_buffer", "optarr", buf, shape=tuple(shape), dtype=dt, role="out")
+        call.add("params", "arr", param, listed=True), call.add("grads", "arr", grad, listed=True)
+        call.add("momentum_buffers", "optarr", buf, shape=tuple(shape), dtype=dt, role="out", listed=True)
+        call.add("steps", "int", 1 if first else 2, listed=True)
         for name, val in (("lr", lr), ("momentum", mom), ("dampening", damp), ("weight_decay", wd)):
             call.add(name, "float", val)
-        call.add("nesterov", "bool", nest), call.add("first", "bool", first)
+        call.add("nesterov", "bool", nest)
         d = g64 + wd * p64 if wd else g64
         if mom:
             b = d if first else mom * buf.values.astype(np.float64).ravel() + (1 - damp) * d
@@ -841,11 +842,11 @@ def gen_optim(rng, call, which):
         step = pick(rng, [1, 1, 2, 10, 1000])
         m = mk_out(rng, randn(rng, shape, dt))
         v = mk_out(rng, np.abs(randn(rng, shape, dt)))
-        for name, val in (("param", param), ("grad", grad), ("exp_avg", m), ("exp_avg_sq", v)):
-            call.add(name, "arr", val)
+        for name, val in (("params", param), ("grads", grad), ("exp_avgs", m), ("exp_avg_sqs", v)):
+            call.add(name, "arr", val, listed=True)
+        call.add("steps", "int", step, listed=True)
         for name, val in (("lr", lr), ("beta1", b1), ("beta2", b2), ("eps", eps), ("weight_decay", wd)):
             call.add(name, "float", val)
-        call.add("step", "int", step)
         m64 = m.values.astype(np.float64).ravel()
         v64 = v.values.astype(np.float64).ravel()
         m64 = m64 + (1 - b1) * (g64 - m64)
@@ -1440,7 +1441,9 @@ def execute(core, call):
                 seen.add(id(a))
                 arrs.append(a)
     snaps = [(a, a.base.copy()) for a in arrs if a.base is not None]
-    args = [materialize(s.value) for s in call.slots if not s.omit]
+    # (a "listed" slot is one entry of a list argument: the optimizers take a list of parameters)
+    args = [[materialize(s.value)] if s.spec.get("listed") else materialize(s.value) for s in call.slots
+            if not s.omit]
     exc = result = None
     try:
         result = invoke(core, call, args)

@@ -326,36 +326,69 @@ void linear_cross_entropy(const py::object& losses, const py::array& logsumexp, 
 }
 
 // ------------------------------------------------------------------------------------------------- optimizers
-void sgd_step(const py::array& param, const py::array& grad, const py::object& momentum_buffer, double lr,
-              double momentum, double dampening, double weight_decay, bool nesterov, bool first) {
-  dispatch(param, "param", [&](auto t) {
-    using T = typename decltype(t)::type;
-    expect_size(grad, "grad", param.size());
-    T* b = nullptr;
-    if (const auto ba = optional_array(momentum_buffer, "momentum_buffer")) {
-      expect_size(*ba, "momentum_buffer", param.size());
-      b = contiguous_ptr<T>(*ba, "momentum_buffer", true);
-    } else if (momentum != 0) {  // (the kernel writes the buffer when momentum != 0)
-      throw py::value_error("momentum_buffer: required when momentum != 0");
+// An entry of a list argument as an ndarray (never a converted copy: the kernels write into it).
+py::array array_entry(const py::handle& o, const char* name) {
+  const auto a = optional_array(py::reinterpret_borrow<py::object>(o), name);
+  if (!a) throw py::type_error(std::string(name) + ": expected an ndarray, got None");
+  return *a;
+}
+
+// The optimizer slots of parallel lists of arrays (one entry per parameter, all of params[0]'s dtype T, each
+// C-contiguous and of its parameter's size); a null state where `states` holds None.
+template <typename T>
+std::vector<OptimizerSlot<T>> optimizer_slots(const py::list& params, const py::list& grads,
+                                              const std::vector<py::list>& states, const std::vector<int64_t>& steps) {
+  const size_t count = params.size();
+  for (const auto& [list, name] : {std::pair{&grads, "grads"}, {&states[0], "states"}, {&states[1], "states"}})
+    if (list->size() != count) throw py::value_error(std::string(name) + ": expected one entry per parameter");
+  if (steps.size() != count) throw py::value_error("steps: expected one entry per parameter");
+  std::vector<OptimizerSlot<T>> slots(count);
+  for (size_t i = 0; i < count; ++i) {
+    const auto param = array_entry(params[i], "param");
+    OptimizerSlot<T>& s = slots[i];
+    s.n = param.size(), s.step = steps[i];
+    s.param = contiguous_ptr<T>(param, "param", true);
+    const auto grad = array_entry(grads[i], "grad");
+    expect_size(grad, "grad", s.n);
+    s.grad = contiguous_ptr<T>(grad, "grad", false);
+    T** state_ptrs[2] = {&s.state0, &s.state1};
+    for (int k = 0; k < 2; ++k) {
+      if (const auto a = optional_array(py::reinterpret_borrow<py::object>(states[k][i]), "optimizer state")) {
+        expect_size(*a, "optimizer state", s.n);
+        *state_ptrs[k] = contiguous_ptr<T>(*a, "optimizer state", true);
+      }
     }
-    T* p = contiguous_ptr<T>(param, "param", true);
-    const T* g = contiguous_ptr<T>(grad, "grad", false);
+  }
+  return slots;
+}
+
+void sgd_step(const py::list& params, const py::list& grads, const py::list& momentum_buffers,
+              const std::vector<int64_t>& steps, double lr, double momentum, double dampening, double weight_decay,
+              bool nesterov) {
+  if (params.empty()) return;
+  dispatch(array_entry(params[0], "param"), "param", [&](auto t) {
+    using T = typename decltype(t)::type;
+    py::list nones;  // (SGD has one state)
+    for (size_t i = 0; i < params.size(); ++i) nones.append(py::none());
+    const auto slots = optimizer_slots<T>(params, grads, {momentum_buffers, nones}, steps);
+    for (const auto& s : slots)  // (the kernel writes the buffer when momentum != 0)
+      if (momentum != 0 && !s.state0) throw py::value_error("momentum_buffers: required when momentum != 0");
     py::gil_scoped_release release;
-    kernels<T>().sgd_step(p, g, b, param.size(), lr, momentum, dampening, weight_decay, nesterov, first);
+    kernels<T>().sgd_step(slots.data(), int64_t(slots.size()), lr, momentum, dampening, weight_decay, nesterov);
   });
 }
 
-void adamw_step(const py::array& param, const py::array& grad, const py::array& exp_avg,
-                const py::array& exp_avg_sq, double lr, double beta1, double beta2, double eps, double weight_decay,
-                int64_t step) {
-  dispatch(param, "param", [&](auto t) {
+void adamw_step(const py::list& params, const py::list& grads, const py::list& exp_avgs,
+                const py::list& exp_avg_sqs, const std::vector<int64_t>& steps, double lr, double beta1, double beta2,
+                double eps, double weight_decay) {
+  if (params.empty()) return;
+  dispatch(array_entry(params[0], "param"), "param", [&](auto t) {
     using T = typename decltype(t)::type;
-    for (const auto* a : {&grad, &exp_avg, &exp_avg_sq}) expect_size(*a, "optimizer state", param.size());
-    T *p = contiguous_ptr<T>(param, "param", true), *m1 = contiguous_ptr<T>(exp_avg, "exp_avg", true);
-    T* m2 = contiguous_ptr<T>(exp_avg_sq, "exp_avg_sq", true);
-    const T* g = contiguous_ptr<T>(grad, "grad", false);
+    const auto slots = optimizer_slots<T>(params, grads, {exp_avgs, exp_avg_sqs}, steps);
+    for (const auto& s : slots)
+      if (!s.state0 || !s.state1) throw py::value_error("exp_avgs, exp_avg_sqs: an array per parameter");
     py::gil_scoped_release release;
-    kernels<T>().adamw_step(p, g, m1, m2, param.size(), lr, beta1, beta2, eps, weight_decay, step);
+    kernels<T>().adamw_step(slots.data(), int64_t(slots.size()), lr, beta1, beta2, eps, weight_decay);
   });
 }
 
@@ -520,14 +553,16 @@ PYBIND11_MODULE(_core, m) {
         py::arg("row_weight"), py::arg("input"), py::arg("weight"), py::arg("bias"), py::arg("target"),
         py::arg("ignore_index"), py::arg("label_smoothing"));
   m.def("sgd_step", &sgd_step,
-        "One SGD step on param in place (torch.optim.SGD's update); momentum_buffer (param's size) or None when "
-        "momentum is 0; first: the buffer's first step.",
-        py::arg("param"), py::arg("grad"), py::arg("momentum_buffer"), py::arg("lr"), py::arg("momentum"),
-        py::arg("dampening"), py::arg("weight_decay"), py::arg("nesterov"), py::arg("first"));
+        "One SGD step (torch.optim.SGD's update) on every param of the list in place, in one parallel loop; "
+        "momentum_buffers: an array of param's size per param, or None when momentum is 0; steps: 1 on a buffer's "
+        "first step.",
+        py::arg("params"), py::arg("grads"), py::arg("momentum_buffers"), py::arg("steps"), py::arg("lr"),
+        py::arg("momentum"), py::arg("dampening"), py::arg("weight_decay"), py::arg("nesterov"));
   m.def("adamw_step", &adamw_step,
-        "One AdamW step (torch.optim.AdamW's update) on param, exp_avg and exp_avg_sq in place; step counts from 1.",
-        py::arg("param"), py::arg("grad"), py::arg("exp_avg"), py::arg("exp_avg_sq"), py::arg("lr"),
-        py::arg("beta1"), py::arg("beta2"), py::arg("eps"), py::arg("weight_decay"), py::arg("step"));
+        "One AdamW step (torch.optim.AdamW's update) on every param of the list and its exp_avg and exp_avg_sq in "
+        "place, in one parallel loop; steps count from 1.",
+        py::arg("params"), py::arg("grads"), py::arg("exp_avgs"), py::arg("exp_avg_sqs"), py::arg("steps"),
+        py::arg("lr"), py::arg("beta1"), py::arg("beta2"), py::arg("eps"), py::arg("weight_decay"));
   m.def("empty", &empty, "An uninitialized C-contiguous array of a numeric dtype, its memory recycled by attnpp's pool.",
         py::arg("shape"), py::arg("dtype"));
   m.def("empty_cache", &pool_empty, "Free the pool's cached blocks; returns their size in bytes.");

@@ -200,28 +200,30 @@ def linear_cross_entropy(
     logsumexp (N,) written (or logsumexp read when losses is None); with row_weight, the gradients added."""
 
 def sgd_step(
-    param: _FloatArray,
-    grad: _FloatArray,
-    momentum_buffer: Optional[_FloatArray],
+    params: List[_FloatArray],
+    grads: List[_FloatArray],
+    momentum_buffers: List[Optional[_FloatArray]],
+    steps: List[int],
     lr: float,
     momentum: float,
     dampening: float,
     weight_decay: float,
     nesterov: bool,
-    first: bool,
 ) -> None:
-    """One SGD step on param in place (torch.optim.SGD's update); momentum_buffer None only when momentum is 0."""
+    """One SGD step (torch.optim.SGD's update) on every param of the list in place, in one parallel loop;
+    momentum_buffers None only when momentum is 0; steps: 1 on a buffer's first step."""
 
 def adamw_step(
-    param: _FloatArray,
-    grad: _FloatArray,
-    exp_avg: _FloatArray,
-    exp_avg_sq: _FloatArray,
+    params: List[_FloatArray],
+    grads: List[_FloatArray],
+    exp_avgs: List[_FloatArray],
+    exp_avg_sqs: List[_FloatArray],
+    steps: List[int],
     lr: float,
     beta1: float,
     beta2: float,
     eps: float,
     weight_decay: float,
-    step: int,
 ) -> None:
-    """One AdamW step (torch.optim.AdamW's update) on param, exp_avg and exp_avg_sq in place; step counts from 1."""
+    """One AdamW step (torch.optim.AdamW's update) on every param of the list and its exp_avg and exp_avg_sq in
+    place, in one parallel loop; steps count from 1."""

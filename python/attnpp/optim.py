@@ -1,4 +1,5 @@
-"""Optimizers with PyTorch's update rules, run in the C++ core on each parameter's buffers in place.
+"""Optimizers with PyTorch's update rules, run in the C++ core on each parameter's buffers in place, one call
+and one parallel loop for all the parameters of a group (of a dtype), as PyTorch's foreach implementations.
 
 As in ``torch.optim``: parameters in ``param_groups`` (a list of dicts holding ``params`` and the
 hyper-parameters, which may be changed between steps, as learning-rate schedules do), per-parameter ``state``,
@@ -102,23 +103,33 @@ class Optimizer:
         return self.master_weights and p.dtype in HALVES
 
     def _grouped(self):
-        """Yield (group, param, grad, state) for every parameter that has a gradient, after checking the group:
-        ``param`` and ``grad`` the arrays the update reads and writes in place, the parameter's own, or with
-        master weights its float32 copy (created on its first step) and the gradient read in float32. The copy
-        is written back into the parameter, rounded, when the caller's update of it is done (the next item)."""
+        """Yield (group, params, grads, states) for each group and dtype, over the parameters that have a
+        gradient, after checking the group: ``params`` and ``grads`` the arrays the update reads and writes in
+        place, the parameter's own, or with master weights its float32 copy (created on its first step) and the
+        gradient read in float32; one list of each per dtype, for one call of the kernel over them all (PyTorch's
+        foreach). The copies are written back into their parameters, rounded, when the caller's update of the
+        group is done (the next item)."""
         for group in self.param_groups:
             self._check_group(group)
+            by_dtype, masters = {}, []
             for p in group["params"]:
                 if p.grad is None:
                     continue
                 state = self.state.setdefault(p, {})
-                if not self._master(p):
-                    yield group, p.data, p.grad, state
-                    continue
-                if "master_param" not in state:
-                    state["master_param"] = p.data.astype(np.float32)
-                yield group, state["master_param"], p.grad.astype(np.float32), state
-                p.data[...] = state["master_param"]
+                if self._master(p):
+                    if "master_param" not in state:
+                        state["master_param"] = p.data.astype(np.float32)
+                    param, grad = state["master_param"], p.grad.astype(np.float32)
+                    masters.append(p)
+                else:
+                    param, grad = p.data, p.grad
+                lists = by_dtype.setdefault(param.dtype, ([], [], []))
+                for items, item in zip(lists, (param, grad, state)):
+                    items.append(item)
+            for params, grads, states in by_dtype.values():
+                yield group, params, grads, states
+            for p in masters:
+                p.data[...] = self.state[p]["master_param"]
 
     def state_dict(self):
         """The optimizer's state as PyTorch lays it out: ``{"state": {index: {name: value}}, "param_groups":
@@ -207,13 +218,14 @@ class SGD(Optimizer):
 
     def step(self):
         """Update every parameter that has a gradient."""
-        for group, param, grad, state in self._grouped():
-            first = "momentum_buffer" not in state
-            if group["momentum"] != 0 and first:
-                state["momentum_buffer"] = np.zeros(param.shape, param.dtype)
-            _core.sgd_step(param, grad, state.get("momentum_buffer"), float(group["lr"]),
-                           float(group["momentum"]), float(group["dampening"]), float(group["weight_decay"]),
-                           bool(group["nesterov"]), first)
+        for group, params, grads, states in self._grouped():
+            steps = [1 if "momentum_buffer" not in state else 2 for state in states]  # (1: the buffer's first)
+            if group["momentum"] != 0:
+                for param, state in zip(params, states):
+                    state.setdefault("momentum_buffer", np.zeros(param.shape, param.dtype))
+            _core.sgd_step(params, grads, [state.get("momentum_buffer") for state in states], steps,
+                           float(group["lr"]), float(group["momentum"]), float(group["dampening"]),
+                           float(group["weight_decay"]), bool(group["nesterov"]))
 
 
 class AdamW(Optimizer):
@@ -255,12 +267,13 @@ class AdamW(Optimizer):
 
     def step(self):
         """Update every parameter that has a gradient."""
-        for group, param, grad, state in self._grouped():
-            if "step" not in state:
-                state.update(step=0, exp_avg=np.zeros(param.shape, param.dtype),
-                             exp_avg_sq=np.zeros(param.shape, param.dtype))
-            state["step"] += 1
+        for group, params, grads, states in self._grouped():
+            for param, state in zip(params, states):
+                if "step" not in state:
+                    state.update(step=0, exp_avg=np.zeros(param.shape, param.dtype),
+                                 exp_avg_sq=np.zeros(param.shape, param.dtype))
+                state["step"] += 1
             beta1, beta2 = group["betas"]
-            _core.adamw_step(param, grad, state["exp_avg"], state["exp_avg_sq"], float(group["lr"]),
-                             float(beta1), float(beta2), float(group["eps"]), float(group["weight_decay"]),
-                             state["step"])
+            _core.adamw_step(params, grads, [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states],
+                             [s["step"] for s in states], float(group["lr"]), float(beta1), float(beta2),
+                             float(group["eps"]), float(group["weight_decay"]))
