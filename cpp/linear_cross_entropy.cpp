@@ -26,7 +26,7 @@ template <typename C>
 void fused(C* losses, C* logsumexp, C* dx, C* dw, C* db, const C* row_weight, const C* x, const C* w, const C* b,
            const int64_t* target, int64_t N, int64_t E, int64_t V, int64_t ignore_index, C eps) {
   const int64_t rows = std::clamp<int64_t>(kLogitsBytes / (V * int64_t(sizeof(C))), 1, std::max<int64_t>(N, 1));
-  std::vector<C> z(std::size_t(std::min(rows, N) * V));
+  const std::unique_ptr<C[]> z(new C[std::size_t(std::min(rows, N) * V)]);  // (uninitialized: the product writes it)
   const C smooth = eps / C(V);  // each class's share of the smoothing
   // vocabulary rows per block: 4096 at E = 768 in float; the whole vocabulary for a narrow E (fewer, larger
   // parallel loops)
@@ -35,18 +35,18 @@ void fused(C* losses, C* logsumexp, C* dx, C* dw, C* db, const C* row_weight, co
     const int64_t R = std::min(rows, N - r0);
     const C* xc = x + r0 * E;
     for (int64_t v0 = 0; v0 < V; v0 += block)  // z = x w^T (+ b below)
-      gemm_parallel(z.data() + v0, V, row_major(xc, E), transposed(w + v0 * E, E), R, std::min(block, V - v0), E,
+      gemm_parallel(z.get() + v0, V, row_major(xc, E), transposed(w + v0 * E, E), R, std::min(block, V - v0), E,
                     C(1), Write::assign);
     parallel_for(R, R * V, [&](int64_t r) {
       const int64_t i = r0 + r;
-      C* zr = z.data() + r * V;
+      C* zr = z.get() + r * V;
       if (b)
         for (int64_t j = 0; j < V; ++j) zr[j] += b[j];
       const bool ignored = target[i] == ignore_index;
       if (losses) {
         // loss_i = lse - (1 - eps) z_t - eps mean_j z_j, as log_sum + (1 - eps)(m - z_t) + eps (m - mean z) with
         // m the row's max and log_sum = log sum_j exp(z_j - m): non-negative terms, none lost next to m
-        const C m = *std::max_element(zr, zr + V);
+        const C m = Eigen::Map<const Eigen::Array<C, Eigen::Dynamic, 1>>(zr, V).maxCoeff();  // (vectorized)
         const double log_sum = std::log(sum_exp_shifted(zr, V, m));
         logsumexp[i] = C(double(m) + log_sum);
         double loss = 0;
@@ -78,10 +78,10 @@ void fused(C* losses, C* logsumexp, C* dx, C* dw, C* db, const C* row_weight, co
     // dw += dz^T x, db += the column sums of dz; dx += dz w   <- z = x w^T + b (a narrow E: linear_backward's
     // dot products, which pack nothing of the weight)
     const bool narrow = E < gemm_detail::Vec<C>::width;
-    linear_backward<C>(narrow && dx ? dx + r0 * E : nullptr, dw, db, z.data(), xc, w, R, E, V);
+    linear_backward<C>(narrow && dx ? dx + r0 * E : nullptr, dw, db, z.get(), xc, w, R, E, V);
     if (dx && !narrow)
       for (int64_t v0 = 0; v0 < V; v0 += block)
-        gemm_parallel(dx + r0 * E, E, row_major(z.data() + v0, V), row_major(w + v0 * E, E), R, E,
+        gemm_parallel(dx + r0 * E, E, row_major(z.get() + v0, V), row_major(w + v0 * E, E), R, E,
                       std::min(block, V - v0), C(1), Write::accumulate);
   }
 }

@@ -34,18 +34,22 @@ void sgd_step(const OptimizerSlot<T>* slots, int64_t count, double lr, double mo
               double weight_decay, bool nesterov) {
   using C = compute_t<T>;  // (half-precision parameters and buffers: computed in float, each rounded once)
   const C wd = C(weight_decay), mu = C(momentum), damp = C(1 - dampening), step = C(lr);
-  for_each_chunk(slots, count, [&](const OptimizerSlot<T>& s, int64_t begin, int64_t end) {
+  for_each_chunk(slots, count, [=](const OptimizerSlot<T>& s, int64_t begin, int64_t end) {
+    // (by value and restrict: no store may alias the constants or another array, so the loop vectorizes)
+    T* __restrict param = s.param;
+    const T* __restrict grad = s.grad;
+    T* __restrict buffer = s.state0;
     const bool first = s.step == 1;
     for (int64_t i = begin; i < end; ++i) {
-      const C p = load(s.param[i]);
-      C d = load(s.grad[i]);
+      const C p = load(param[i]);
+      C d = load(grad[i]);
       if (weight_decay != 0) d += wd * p;        // d_p = grad + weight_decay * param
       if (momentum != 0) {
-        T& buf = s.state0[i];
-        buf = store<T>(first ? d : mu * load(buf) + damp * d);  // buf = momentum * buf + (1 - dampening) * d_p
-        d = nesterov ? d + mu * load(buf) : load(buf);
+        const C b = first ? d : mu * load(buffer[i]) + damp * d;  // buf = momentum * buf + (1 - dampening) * d_p
+        buffer[i] = store<T>(b);
+        d = nesterov ? d + mu * load(buffer[i]) : load(buffer[i]);
       }
-      s.param[i] = store<T>(p - step * d);       // param -= lr * d_p
+      param[i] = store<T>(p - step * d);         // param -= lr * d_p
     }
   });
 }
@@ -55,19 +59,24 @@ void adamw_step(const OptimizerSlot<T>* slots, int64_t count, double lr, double 
                 double weight_decay) {
   using C = compute_t<T>;  // (half-precision parameters and moments: computed in float, each rounded once)
   const C decay = C(1 - lr * weight_decay), w1 = C(1 - beta1), b2 = C(beta2), w2 = C(1 - beta2), e = C(eps);
-  for_each_chunk(slots, count, [&](const OptimizerSlot<T>& s, int64_t begin, int64_t end) {
+  for_each_chunk(slots, count, [=](const OptimizerSlot<T>& s, int64_t begin, int64_t end) {
     const double bias_correction1 = 1 - std::pow(beta1, double(s.step));
     const double bias_correction2_sqrt = std::pow(1 - std::pow(beta2, double(s.step)), 0.5);
     const C step_size = C(lr / bias_correction1), bc2 = C(bias_correction2_sqrt);
+    // (by value and restrict: no store may alias the constants or another array, so the loop vectorizes)
+    T* __restrict param = s.param;
+    const T* __restrict grad = s.grad;
+    T* __restrict exp_avg = s.state0;
+    T* __restrict exp_avg_sq = s.state1;
     for (int64_t i = begin; i < end; ++i) {
-      const C g = load(s.grad[i]);
-      C p = load(s.param[i]) * decay;                       // param *= 1 - lr * weight_decay
-      C m = load(s.state0[i]);
+      const C g = load(grad[i]);
+      C p = load(param[i]) * decay;                         // param *= 1 - lr * weight_decay
+      C m = load(exp_avg[i]);
       m += w1 * (g - m);                                    // exp_avg.lerp_(grad, 1 - beta1)
-      const C v = load(s.state1[i]) * b2 + w2 * g * g;      // exp_avg_sq * beta2 + (1 - beta2) * grad^2
+      const C v = load(exp_avg_sq[i]) * b2 + w2 * g * g;    // exp_avg_sq * beta2 + (1 - beta2) * grad^2
       const C denom = std::sqrt(v) / bc2 + e;               // sqrt(v) / sqrt(1 - beta2^t) + eps
       p += -step_size * m / denom;                          // param.addcdiv_(m, denom, -lr / (1 - beta1^t))
-      s.param[i] = store<T>(p), s.state0[i] = store<T>(m), s.state1[i] = store<T>(v);
+      param[i] = store<T>(p), exp_avg[i] = store<T>(m), exp_avg_sq[i] = store<T>(v);
     }
   });
 }

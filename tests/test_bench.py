@@ -70,7 +70,7 @@ def test_quick_run_prints_a_ratio_for_every_case(quick):
     assert sum(n.startswith(("window", "decode", "varlen")) for n in names) == 9  # (decode in 3 dtypes)
     # issue 14's 7 targets, issue 21's: the 2 kernel cases x fwd, fwd+bwd x bfloat16, float16, bfloat16's fwd+bwd
     # with reduced precision, and the decode step; issue 23's 2 (linear_cross_entropy at two widths)
-    assert "targets: not judged at --quick sizes (24 cases have one at full size)" in quick.splitlines()
+    assert "targets: not judged at --quick sizes (25 cases have one at full size)" in quick.splitlines()
     assert sum(n.endswith(" bfloat16 reduced precision") for n in names) == 2, names
     for dtype in ("bfloat16", "float16"):
         assert sum(n.startswith("sdpa") and n.endswith(" " + dtype) for n in names) == 4, names

@@ -1220,9 +1220,10 @@ def linear_cross_entropy_backward(grad_output, input, weight, target, logsumexp,
                 None if s is None else (s, dt) for s in want):
             raise ValueError(f"grads: expected the forward's (grad_input, grad_weight, grad_bias) of shapes {want} "
                              f"and dtype {dt}")
-        for a in grads:
-            if a is not None:
-                np.multiply(a, g.astype(a.dtype) if a.dtype in HALVES else g, out=a, casting="unsafe")
+        if g != 1:  # (a loss's own gradient, 1, the common case: nothing to scale)
+            for a in grads:
+                if a is not None:
+                    np.multiply(a, g.astype(a.dtype) if a.dtype in HALVES else g, out=a, casting="unsafe")
         return grads
     lse = check_array(logsumexp, "logsumexp", dtype=acc)
     if lse.shape != shape:
