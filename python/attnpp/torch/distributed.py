@@ -339,6 +339,7 @@ class _Ring:
         return t.detach().to(self.compute_dtype).contiguous().reshape(1, -1, *t.shape[-2:])
 
     def params(self, call, accumulate=False):
+        """The core's AttentionParams of one planned call (its causal mask and window in its own coordinates)."""
         _, _, _, _, causal, left, right = call
         params = AF.attention_params((1,), 1, np.dtype("float64"), scale=self.scale,
                                      causal=_core.Causal.bottom_right if causal else _core.Causal.none,
@@ -452,14 +453,13 @@ class _Ring:
         def compute(t, s, p, k, v):
             f0, f1 = self.pieces[p]
             ka, va = to_numpy(k), to_numpy(v)
+            h = slice(f0 * g, f1 * g)
             for call in self.calls[self.rank][s]:
                 a0, a1, b0, b1 = call[:4]
-                whole = a0 == 0 and a1 == self.n
-                part = la[:, f0 * g:f1 * g, a0:a1] if whole else np.ascontiguousarray(la[:, f0 * g:f1 * g, a0:a1])
-                _core.sdpa_forward(oa[:, f0 * g:f1 * g, a0:a1], part, qa[:, f0 * g:f1 * g, a0:a1],
-                                   ka[:, :, b0:b1], va[:, :, b0:b1], self.params(call, accumulate=True))
-                if not whole:
-                    la[:, f0 * g:f1 * g, a0:a1] = part
+                part = np.ascontiguousarray(la[:, h, a0:a1])  # (the core's is contiguous: a view for whole rows)
+                _core.sdpa_forward(oa[:, h, a0:a1], part, qa[:, h, a0:a1], ka[:, :, b0:b1], va[:, :, b0:b1],
+                                   self.params(call, accumulate=True))
+                la[:, h, a0:a1] = part
 
         self._pass_keys(k4, v4, compute)
         return out.reshape(self.out_shape), lse.reshape(self.lse_shape)
