@@ -464,8 +464,9 @@ PYBIND11_MODULE(_core, m) {
                               "The parameters of sdpa_forward/backward/weights: scale (1.0), causal (Causal.none), "
                               "dropout_p (0.0), seed (0), masks (AttentionMask list, summed into the scores), "
                               "window_left, window_right (-1 unbounded; keys [i + S - L - left, i + S - L + right]), "
-                              "softcap (0 none), accumulate (False; True: the forward merges its keys into the partial result over other "
-                              "keys that out and logsumexp hold), alibi_slopes ((1 or N, Hq) or None), sinks ((Hq,) or None), "
+                              "softcap (0 none), accumulate (False; True: the forward merges its keys into the "
+                              "partial result over other keys that out and logsumexp hold), alibi_slopes ((1 or N, "
+                              "Hq) or None), sinks ((Hq,) or None), "
                               "cu_seqlens_q and cu_seqlens_k ((N + 1,) int64: packed sequences in the arrays' one "
                               "batch entry), seqlens_k ((N,) int64: keys per batch entry, a KV cache).")
       .def(py::init<>(), "The defaults; the fields are then set as attributes.")

