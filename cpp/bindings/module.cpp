@@ -334,13 +334,15 @@ py::array array_entry(const py::handle& o, const char* name) {
 }
 
 // The optimizer slots of parallel lists of arrays (one entry per parameter, all of params[0]'s dtype T, each
-// C-contiguous and of its parameter's size); a null state where `states` holds None.
+// C-contiguous and of its parameter's size): `states` the optimizer's state lists (SGD one, AdamW two), a null
+// state where a list holds None.
 template <typename T>
 std::vector<OptimizerSlot<T>> optimizer_slots(const py::list& params, const py::list& grads,
                                               const std::vector<py::list>& states, const std::vector<int64_t>& steps) {
   const size_t count = params.size();
-  for (const auto& [list, name] : {std::pair{&grads, "grads"}, {&states[0], "states"}, {&states[1], "states"}})
-    if (list->size() != count) throw py::value_error(std::string(name) + ": expected one entry per parameter");
+  if (grads.size() != count) throw py::value_error("grads: expected one entry per parameter");
+  for (const auto& list : states)
+    if (list.size() != count) throw py::value_error("optimizer states: expected one entry per parameter");
   if (steps.size() != count) throw py::value_error("steps: expected one entry per parameter");
   std::vector<OptimizerSlot<T>> slots(count);
   for (size_t i = 0; i < count; ++i) {
@@ -352,7 +354,7 @@ std::vector<OptimizerSlot<T>> optimizer_slots(const py::list& params, const py::
     expect_size(grad, "grad", s.n);
     s.grad = contiguous_ptr<T>(grad, "grad", false);
     T** state_ptrs[2] = {&s.state0, &s.state1};
-    for (int k = 0; k < 2; ++k) {
+    for (size_t k = 0; k < states.size(); ++k) {
       if (const auto a = optional_array(py::reinterpret_borrow<py::object>(states[k][i]), "optimizer state")) {
         expect_size(*a, "optimizer state", s.n);
         *state_ptrs[k] = contiguous_ptr<T>(*a, "optimizer state", true);
@@ -368,9 +370,7 @@ void sgd_step(const py::list& params, const py::list& grads, const py::list& mom
   if (params.empty()) return;
   dispatch(array_entry(params[0], "param"), "param", [&](auto t) {
     using T = typename decltype(t)::type;
-    py::list nones;  // (SGD has one state)
-    for (size_t i = 0; i < params.size(); ++i) nones.append(py::none());
-    const auto slots = optimizer_slots<T>(params, grads, {momentum_buffers, nones}, steps);
+    const auto slots = optimizer_slots<T>(params, grads, {momentum_buffers}, steps);
     for (const auto& s : slots)  // (the kernel writes the buffer when momentum != 0)
       if (momentum != 0 && !s.state0) throw py::value_error("momentum_buffers: required when momentum != 0");
     py::gil_scoped_release release;

@@ -47,16 +47,14 @@ def _worker(rank, world, port, conn):
 
 
 def _ring_call(ring_attention, q, k, v, grad_output, **options):
-    """One ring attention: forward under no_grad, or (``grad_output`` given) forward and backward, the leaves'
-    gradients set to None first."""
+    """One ring attention: forward under no_grad, or (``grad_output`` given) forward and backward (the worker
+    sets the leaves' gradients to None before each call)."""
     def call():
         if grad_output is None:
             with torch.no_grad():
                 ring_attention(q, k, v, **options)
-            return
-        for t in (q, k, v):
-            t.grad = None
-        ring_attention(q, k, v, **options).backward(grad_output)
+        else:
+            ring_attention(q, k, v, **options).backward(grad_output)
     return call
 
 

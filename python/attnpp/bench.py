@@ -943,10 +943,10 @@ def context_parallel_calls(shape, causal, layout, backward, info):
     return RingCall(), one
 
 
-def context_parallel_summary(info, forward_times, balanced):
+def context_parallel_summary(info, forward_times, role):
     """A context-parallel case's line: each rank's peak memory, with its inputs, against the one process's; the
-    non-causal forward records its ring time in ``forward_times``, and zigzag's causal forward (``balanced``) sets
-    its own against it."""
+    non-causal forward (``role`` "record") records its ring time in ``forward_times``, and zigzag's causal forward
+    (``role`` "compare") sets its own against it."""
     def line(result):
         ring_t = float(np.median(result.times[0]))
         name = result.case.name.split(":")[0]
@@ -960,13 +960,12 @@ def context_parallel_summary(info, forward_times, balanced):
                         f"{', '.join(f'{m:.0f}' for m in whole)} MiB with them, against one process's "
                         f"{result.memory[1]:.0f} and {one:.0f} MiB: {share:.0%} (issue 24's target <= "
                         f"{bound:.0%}: {'met' if share <= bound else 'NOT met'})")
-        if "non-causal fwd" in name:
+        if role == "record":
             forward_times["full"] = ring_t
-        elif balanced and "fwd " in name and "fwd+bwd" not in name:
-            if "full" in forward_times:
-                share, bound = ring_t / forward_times["full"], CONTEXT_PARALLEL["zigzag"]
-                text.append(f"{share:.0%} of the non-causal forward's time (issue 24's target <= {bound:.0%}: "
-                            f"{'met' if share <= bound else 'NOT met'})")
+        elif role == "compare" and "full" in forward_times:
+            share, bound = ring_t / forward_times["full"], CONTEXT_PARALLEL["zigzag"]
+            text.append(f"{share:.0%} of the non-causal forward's time (issue 24's target <= {bound:.0%}: "
+                        f"{'met' if share <= bound else 'NOT met'})")
         return "; ".join(text)
     return line
 
@@ -982,13 +981,14 @@ def context_parallel_cases(size):
         info = {}
         kind = "fwd+bwd" if backward else "fwd"
         balanced = layout == "zigzag" or not causal
+        role = None if backward else "record" if not causal else "compare" if balanced else None
         name = (f"context-parallel {'' if causal else 'non-causal '}{kind} {fmt_shape(shape)}"
                 f"{' causal ' + layout if causal else ''}: {ranks} ranks x 1 thread vs 1 process x {ranks} threads")
         build = partial(context_parallel_calls, shape, causal, layout, backward, info)
         cases.append(Case(name, build,
                           flops=kernel_flops(shape, causal, backward), pairs=CONTEXT_PARALLEL["pairs"], issue=24,
                           target=CONTEXT_PARALLEL["speed"] if balanced else None,
-                          summary=context_parallel_summary(info, forward_times, balanced)))
+                          summary=context_parallel_summary(info, forward_times, role)))
     return cases
 
 

@@ -601,30 +601,41 @@ class Attention(torch.nn.Module):
         B, L, S = x3.shape[0], x3.shape[1], c3.shape[1]
         heads = lambda t: t.unflatten(-1, (self.num_heads, -1)).transpose(1, 2)  # (B, T, H * d) -> (B, H, T, d)
         q, k, v = heads(self.q_proj(x3)), heads(self.k_proj(c3)), heads(self.v_proj(c3))
-        if self.context_parallel_group is not None:
-            out = self._context_parallel(q, k, v, context is not x, key_padding_mask, need_weights)
-            y = out.transpose(1, 2).reshape(B, L, self.v_dim)
-            y = self.out_drop(y if self.out_proj is None else self.out_proj(y))
-            return y if batched else y[0]
         if self.rotary:
-            q, k = (_RotaryFunction.apply(t, *rotary_tables(self, t.shape[2], to_numpy(t).dtype),
-                                          self.rotary_interleaved) for t in (q, k))
-        mask, causal = None, self.causal
-        if key_padding_mask is not None:
-            mask = _additive_mask(key_padding_mask, x.dtype, "key_padding_mask").reshape(B, 1, 1, S)
-            if causal:  # the kernel takes a mask or is_causal: the causal mask joins the padding one
-                diagonal = S - L if self.causal_alignment == "bottom_right" else 0
-                hidden = torch.ones(L, S, dtype=torch.bool).triu(diagonal + 1)
-                mask, causal = mask + _additive_mask(hidden, x.dtype, "causal mask"), False
-        p = self.attn_dropout if self.training else 0.0
-        out, weights, self.last_seed = _attention(q, k, v, mask, p, causal, self.scale, False, None,
-                                                  self.causal_alignment, need_weights, self.window,
-                                                  self.alibi_slopes, self.softcap, self.sinks)
+            q, k = self._rotary(q), self._rotary(k)
+        if self.context_parallel_group is not None:
+            out, weights = self._context_parallel(q, k, v, context is not x, key_padding_mask, need_weights), None
+        else:
+            mask, causal = None, self.causal
+            if key_padding_mask is not None:
+                mask = _additive_mask(key_padding_mask, x.dtype, "key_padding_mask").reshape(B, 1, 1, S)
+                if causal:  # the kernel takes a mask or is_causal: the causal mask joins the padding one
+                    diagonal = S - L if self.causal_alignment == "bottom_right" else 0
+                    hidden = torch.ones(L, S, dtype=torch.bool).triu(diagonal + 1)
+                    mask, causal = mask + _additive_mask(hidden, x.dtype, "causal mask"), False
+            p = self.attn_dropout if self.training else 0.0
+            out, weights, self.last_seed = _attention(q, k, v, mask, p, causal, self.scale, False, None,
+                                                      self.causal_alignment, need_weights, self.window,
+                                                      self.alibi_slopes, self.softcap, self.sinks)
         y = out.transpose(1, 2).reshape(B, L, self.v_dim)
         y = self.out_drop(y if self.out_proj is None else self.out_proj(y))
         if not batched:
             y, weights = y[0], None if weights is None else weights[0]
         return (y, weights) if need_weights else y
+
+    def _rotary(self, t):
+        """RoPE of (B, H, T, d) heads at their positions in the sequence: 0 .. T - 1, or with
+        ``context_parallel_group`` the positions of this rank's shard (its segments, each at its own offset)."""
+        T = t.shape[2]
+        if self.context_parallel_group is None:
+            segments = [(0, 0, T)]
+        else:
+            from .distributed import shard_segments
+            segments = shard_segments(self.context_parallel_group, self.context_parallel_layout, T)
+        cos, sin = rotary_tables(self, max(start + rows for start, _, rows in segments), to_numpy(t).dtype)
+        parts = [_RotaryFunction.apply(t[:, :, local:local + rows], cos[start:start + rows], sin[start:start + rows],
+                                       self.rotary_interleaved) for start, local, rows in segments]
+        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)
 
     def _context_parallel(self, q, k, v, cross, key_padding_mask, need_weights):
         """The attention of this rank's shard (B, H, n, d) of q, k, v over the group's whole sequence."""
@@ -634,13 +645,6 @@ class Attention(torch.nn.Module):
                             (self.training and self.attn_dropout > 0, "attention dropout in training")):
             if given:
                 raise ValueError(f"context_parallel_group: not with {what}")
-        if self.rotary:  # the positions of the whole sequence: each segment of the shard at its own offset
-            segments = distributed.shard_segments(self.context_parallel_group, self.context_parallel_layout,
-                                                  q.shape[2])
-            cos, sin = rotary_tables(self, max(start + rows for start, _, rows in segments), to_numpy(q).dtype)
-            q, k = (torch.cat([_RotaryFunction.apply(t[:, :, local:local + rows], cos[start:start + rows],
-                                                     sin[start:start + rows], self.rotary_interleaved)
-                               for start, local, rows in segments], dim=2) for t in (q, k))
         return distributed.ring_attention(q, k, v, self.context_parallel_group, is_causal=self.causal,
                                           scale=self.scale, window=self.window, layout=self.context_parallel_layout)
 

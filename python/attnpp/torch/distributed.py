@@ -38,6 +38,7 @@ import datetime
 import functools
 import math
 import struct
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -55,6 +56,7 @@ LAYOUTS = ("contiguous", "zigzag")
 PIECE_BYTES = 4 << 20  # keys and values per message (whole heads: more when one head is larger)
 _DTYPE_CODES = {torch.float32: 0, torch.float64: 1, torch.float16: 2, torch.bfloat16: 3}
 _MAX_DIMS = 8  # (B..., H, n, D) of the opening exchange
+_HEADER = 8  # the opening exchange's options before the shapes, the last of them the inputs' ndim
 
 
 # ------------------------------------------------------------------------------------------- layouts
@@ -181,11 +183,27 @@ def _band(is_causal, window):
     return lo, hi
 
 
+class _Call(NamedTuple):
+    """One kernel call of a ring step: local query rows [a0, a1) against the block's key rows [b0, b1), with the
+    causal mask (bottom-right) and the window (-1: unbounded) in the call's own coordinates."""
+    a0: int
+    a1: int
+    b0: int
+    b1: int
+    causal: bool = False
+    left: int = -1
+    right: int = -1
+
+    @property
+    def full(self):
+        """Every query row sees every key."""
+        return not self.causal and self.left == self.right == -1
+
+
 def _pair(q_seg, k_seg, lo, hi):
-    """How query segment ``q_seg`` (start, local row, rows) sees key segment ``k_seg``: None (hidden), or a call
-    (q rows [a0, a1), k rows [b0, b1) local, causal bottom-right, window_left, window_right) of the kernel, its
-    band in the call's own coordinates (the rows and keys cut to those that see or are seen: both window sides
-    are then >= 0 or unbounded)."""
+    """How query segment ``q_seg`` (start, local row, rows) sees key segment ``k_seg``: None (hidden), or the
+    kernel's ``_Call``, its band in the call's own coordinates (the rows and keys cut to those that see or are
+    seen: both window sides are then >= 0 or unbounded)."""
     (qs, qa, ql), (ks, ka, kl) = q_seg, k_seg
     d = ks - qs  # key j, query i see each other when j - i is in [lo - d, hi - d]
     A = -math.inf if lo is None else lo - d
@@ -196,35 +214,35 @@ def _pair(q_seg, k_seg, lo, hi):
         return None
     a0, a1, b0, b1 = int(a0), int(a1), int(b0), int(b1)
     if A <= -(ql - 1) and B >= kl - 1:  # every row sees every key
-        return (qa, qa + ql, ka, ka + kl, False, -1, -1)
+        return _Call(qa, qa + ql, ka, ka + kl)
     diag = (b1 - b0) - (a1 - a0)  # the kernel's bottom-right diagonal of the cut block
     left = -1 if A == -math.inf else diag - (A + a0 - b0)
     right = -1 if B == math.inf else (B + a0 - b0) - diag
     if right == 0:  # the causal mask (bottom-right): the kernel's fast path
-        return (qa + a0, qa + a1, ka + b0, ka + b1, True, left, -1)
-    return (qa + a0, qa + a1, ka + b0, ka + b1, False, left, right)
+        return _Call(qa + a0, qa + a1, ka + b0, ka + b1, True, left)
+    return _Call(qa + a0, qa + a1, ka + b0, ka + b1, False, left, right)
 
 
 def _plan(layout, rank, source, world, n, m, lo, hi):
-    """The kernel calls of rank ``rank``'s n queries against rank ``source``'s m keys: a list of
-    (q rows [a0, a1), k rows [b0, b1), causal, window_left, window_right); empty when every key is hidden."""
+    """The kernel calls (``_Call``) of rank ``rank``'s n queries against rank ``source``'s m keys; empty when
+    every key is hidden."""
     q_segs, k_segs = _segments(layout, rank, world, n), _segments(layout, source, world, m)
     if rank == source and lo is None and hi == 0:  # the diagonal block, causal: local order is the sequence's
-        return [(0, n, 0, m, True, -1, -1)]
+        return [_Call(0, n, 0, m, True)]
     pairs = {(i, j): _pair(q, k, lo, hi) for i, q in enumerate(q_segs) for j, k in enumerate(k_segs)}
-    full = {key for key, c in pairs.items() if c is not None and not c[4] and c[5] == c[6] == -1}
+    full = {key for key, c in pairs.items() if c is not None and c.full}
     if len(full) == len(pairs):
-        return [(0, n, 0, m, False, -1, -1)]
+        return [_Call(0, n, 0, m)]
     calls, done = [], set()
     rows, cols = range(len(q_segs)), range(len(k_segs))
     for j in cols:  # a key segment every query sees: one call
         if all((i, j) in full for i in rows):
-            calls.append((0, n, k_segs[j][1], k_segs[j][1] + k_segs[j][2], False, -1, -1))
+            calls.append(_Call(0, n, k_segs[j][1], k_segs[j][1] + k_segs[j][2]))
             done |= {(i, j) for i in rows}
     if not done:
         for i in rows:  # a query segment that sees every key: one call
             if all((i, j) in full for j in cols):
-                calls.append((q_segs[i][1], q_segs[i][1] + q_segs[i][2], 0, m, False, -1, -1))
+                calls.append(_Call(q_segs[i][1], q_segs[i][1] + q_segs[i][2], 0, m))
                 done |= {(i, j) for j in cols}
     calls += [c for key, c in pairs.items() if c is not None and key not in done]
     return calls
@@ -281,7 +299,10 @@ class _Ring:
         self.heads = math.prod(batch) * Hk  # key/value heads, batch entries flattened
         self.group_size = Hq // Hk
         self.out_shape, self.lse_shape = tuple(batch) + (Hq, n, Dv), tuple(batch) + (Hq, n)
-        self.calls, self.last = _ring_plan(self.layout, self.world, n, m, *_band(self.is_causal, self.window))
+        calls, self.last = _ring_plan(self.layout, self.world, n, m, *_band(self.is_causal, self.window))
+        # steps[s]: this rank's kernel calls against rank s's keys, each with the core's parameters, built once
+        # (``accumulate`` is read by the forward only: the backward takes the same parameters)
+        self.steps = [[(c, self._params(c)) for c in calls[self.rank][s]] for s in range(self.world)]
         itemsize = torch.finfo(self.compute_dtype).bits // 8
         per_head = max(1, m * (D + Dv) * itemsize)
         step = max(1, PIECE_BYTES // per_head)
@@ -308,7 +329,8 @@ class _Ring:
         _wait(dist.all_gather(rows, mine, group=self.group, async_op=True), self.timeout,
               "exchanging the shards' shapes")
         everyone = torch.stack(rows)
-        shape = lambda r, k: tuple(everyone[r, 8 + k * _MAX_DIMS: 8 + k * _MAX_DIMS + int(everyone[r, 7])].tolist())
+        start = lambda k: _HEADER + k * _MAX_DIMS  # query's, key's and value's shapes, k = 0, 1, 2
+        shape = lambda r, k: tuple(everyone[r, start(k):start(k) + int(everyone[r, _HEADER - 1])].tolist())
         for r in range(self.world):
             if 0 in shape(r, 0)[-2:-1] + shape(r, 1)[-2:-1]:
                 raise ValueError(f"ring_attention: rank {r}'s shard is empty (query {shape(r, 0)}, key {shape(r, 1)}): "
@@ -338,13 +360,13 @@ class _Ring:
         """A (B..., H, rows, width) tensor as a contiguous (1, B... * H, rows, width) one of the compute dtype."""
         return t.detach().to(self.compute_dtype).contiguous().reshape(1, -1, *t.shape[-2:])
 
-    def params(self, call, accumulate=False):
-        """The core's AttentionParams of one planned call (its causal mask and window in its own coordinates)."""
-        _, _, _, _, causal, left, right = call
+    def _params(self, call):
+        """The core's AttentionParams of one planned call (its causal mask and window in its own coordinates),
+        merging into the output and log-sum-exp in place in the forward."""
         params = AF.attention_params((1,), 1, np.dtype("float64"), scale=self.scale,
-                                     causal=_core.Causal.bottom_right if causal else _core.Causal.none,
-                                     window=None if left == right == -1 else (left, right))
-        params.accumulate = accumulate
+                                     causal=_core.Causal.bottom_right if call.causal else _core.Causal.none,
+                                     window=None if call.left == call.right == -1 else (call.left, call.right))
+        params.accumulate = True
         return params
 
     # -------------------------------------------------------------------------------- messages
@@ -454,11 +476,9 @@ class _Ring:
             f0, f1 = self.pieces[p]
             ka, va = to_numpy(k), to_numpy(v)
             h = slice(f0 * g, f1 * g)
-            for call in self.calls[self.rank][s]:
-                a0, a1, b0, b1 = call[:4]
+            for (a0, a1, b0, b1, *_), params in self.steps[s]:
                 part = np.ascontiguousarray(la[:, h, a0:a1])  # (the core's is contiguous: a view for whole rows)
-                _core.sdpa_forward(oa[:, h, a0:a1], part, qa[:, h, a0:a1], ka[:, :, b0:b1], va[:, :, b0:b1],
-                                   self.params(call, accumulate=True))
+                _core.sdpa_forward(oa[:, h, a0:a1], part, qa[:, h, a0:a1], ka[:, :, b0:b1], va[:, :, b0:b1], params)
                 la[:, h, a0:a1] = part
 
         self._pass_keys(k4, v4, compute)
@@ -477,11 +497,10 @@ class _Ring:
             f0, f1 = self.pieces[p]
             ka, va, dka, dva = map(to_numpy, (k, v, dk, dv))
             h = slice(f0 * g, f1 * g)
-            for call in self.calls[self.rank][s]:
-                a0, a1, b0, b1 = call[:4]
+            for (a0, a1, b0, b1, *_), params in self.steps[s]:
                 _core.sdpa_backward(dqa[:, h, a0:a1], dka[:, :, b0:b1], dva[:, :, b0:b1], doa[:, h, a0:a1],
                                     oa[:, h, a0:a1], np.ascontiguousarray(la[:, h, a0:a1]), qa[:, h, a0:a1],
-                                    ka[:, :, b0:b1], va[:, :, b0:b1], self.params(call))
+                                    ka[:, :, b0:b1], va[:, :, b0:b1], params)
 
         dk4, dv4 = self._pass_keys(k4, v4, compute, with_grads=True)
         shape = lambda t4, like: t4.reshape(like.shape).to(self.dtype)
