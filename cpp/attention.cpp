@@ -150,7 +150,8 @@ T log_add_exp(T a, T b) {
 }
 
 // The forward with queries and output of Q: T, or T's compute type (float queries over a half-precision KV cache).
-template <typename P, typename T, typename Q>
+// The scores q k^T are P's products, the weighted values p v W's (attention_products.hpp).
+template <typename P, typename W, typename T, typename Q>
 void forward(const View4<Q>& out, compute_t<T>* logsumexp, const View4<const Q>& q, const View4<const T>& k,
              const View4<const T>& v, const AttnConfig<T>& cfg) {
   using C = compute_t<T>;
@@ -168,8 +169,10 @@ void forward(const View4<Q>& out, compute_t<T>* logsumexp, const View4<const Q>&
         if (i0 >= vis.L) return;
         const int64_t h0 = hk * g + hb * heads_per_block;
         const RowBlock b{n, h0, std::min(heads_per_block, (hk + 1) * g - h0), i0, std::min(bl, vis.L - i0)};
-        thread_local typename P::Packed kt, vb;           // (D, Bc) k_blk^T, (Bc, Dv) v_blk
-        thread_local typename P::Buffer q_buf, w_buf;     // the block's queries, the weights as an operand
+        thread_local typename P::Packed kt;               // (D, Bc) k_blk^T
+        thread_local typename W::Packed vb;               // (Bc, Dv) v_blk
+        thread_local typename P::Buffer q_buf;            // the block's queries
+        thread_local typename W::Buffer w_buf;            // the weights as an operand
         thread_local RowMat<C> s_blk, acc;                // (Br, Bc) scores then weights; (Br, Dv) output
         thread_local Eigen::Matrix<C, Eigen::Dynamic, 1> m, l;  // (Br) running max and running sum
         thread_local Eigen::Matrix<C, 1, Eigen::Dynamic> o_row;  // (Dv) an output row before it is written
@@ -189,13 +192,13 @@ void forward(const View4<Q>& out, compute_t<T>* logsumexp, const View4<const Q>&
         const bool shared = windowed && span1 > span0 && (span1 - span0) * (cfg.D + cfg.Dv) <= kSharedPack;
         if (shared) {
           P::pack(kt, k, n, hk, vis.k0 + span0, span1 - span0, cfg.D, true);
-          P::pack(vb, v, n, hk, vis.k0 + span0, span1 - span0, cfg.Dv, false);
+          W::pack(vb, v, n, hk, vis.k0 + span0, span1 - span0, cfg.Dv, false);
         }
         for (int64_t s0 = 0; s0 < b.rows; s0 += sub_rows) {
           const int64_t s1 = std::min(b.rows, s0 + sub_rows);
           int64_t j_begin = vis.first_key(i0 + s0);
           const int64_t j_end = std::min(vis.S, vis.last_key(i0 + s1 - 1) + 1);
-          if (shared) j_begin = span0 + (j_begin - span0) / P::kPanel * P::kPanel;  // from a panel's start
+          if (shared) j_begin = span0 + (j_begin - span0) / P::kPanel * P::kPanel;  // from a panel's start (even)
           for (int64_t j0 = j_begin; j0 < j_end; j0 += bs) {
             const int64_t cols = std::min(bs, j_end - j0);
             // rows [r0, r0 + br) see keys of this block (a one-head block: the others are hidden from it)
@@ -229,9 +232,9 @@ void forward(const View4<Q>& out, compute_t<T>* logsumexp, const View4<const Q>&
             // acc += p v_blk
             C* acc_rows = acc.data() + r0 * cfg.Dv;
             if (shared)
-              P::weights_product(acc_rows, cfg.Dv, s_blk, w_buf, vb, cfg.Dv, C(1), Write::accumulate, j0 - span0);
+              W::weights_product(acc_rows, cfg.Dv, s_blk, w_buf, vb, cfg.Dv, C(1), Write::accumulate, j0 - span0);
             else
-              P::add_weighted_values(acc_rows, s_blk, w_buf, vb, v, n, hk, vis.k0 + j0, cfg.Dv);
+              W::add_weighted_values(acc_rows, s_blk, w_buf, vb, v, n, hk, vis.k0 + j0, cfg.Dv);
           }
         }
         for (int64_t r = 0; r < R; ++r) {
@@ -264,49 +267,45 @@ void forward(const View4<Q>& out, compute_t<T>* logsumexp, const View4<const Q>&
       true);
 }
 
-// The backward, its products P's but dS's, E's (attention_products.hpp).
-template <typename P, typename E, typename T>
+// The backward: the products of two inputs (q k^T, dO v^T) are P's, those of the weights or their gradient (P^T dO,
+// dS k, dS^T q) W's (attention_products.hpp).
+template <typename P, typename W, typename T>
 void backward(const View4<T>& dq, const View4<T>& dk, const View4<T>& dv, compute_t<T>* dsinks,
               const View4<const T>& dout, const View4<const T>& out, const compute_t<T>* logsumexp,
               const View4<const T>& q, const View4<const T>& k, const View4<const T>& v, const AttnConfig<T>& cfg) {
   using C = compute_t<T>;
-  // delta (N, Hq, L) = rowsum(dout * out) = sum_j P_ij dP_ij, the softmax backward's term, dropout included.
-  // Summed in a fixed order (not Eigen's alignment-dependent reduction) so that results are reproducible. For
-  // float and double from dout and out; for the half-precision types from the blocks' P and dP, in a first pass
-  // over the blocks (delta_pass below): the output was rounded to half precision, and delta from it would carry
-  // that rounding into every dS = P (dP - delta), dq and dk (up to 5 times PyTorch's math-backend error). With
-  // cfg.reduced_precision (bfloat16), from the rounded output all the same, as PyTorch's CPU flash kernel does.
-  const bool delta_from_blocks = is_half<T> && !(std::is_same_v<T, bfloat16> && cfg.reduced_precision);
-  std::vector<C> delta(cfg.lse_size());
-  if (!delta_from_blocks)
-    parallel_for(cfg.N * cfg.Hq, cfg.lse_size() * cfg.Dv, [&](int64_t nh) {
-      const int64_t n = nh / cfg.Hq, h = nh % cfg.Hq;
-      const Visible vis = cfg.seq(n);
-      for (int64_t i = 0; i < vis.L; ++i) {
-        const T *do_row = dout.at(n, h, vis.q0 + i), *o_row = out.at(n, h, vis.q0 + i);
-        C sum = 0;
-        for (int64_t c = 0; c < cfg.Dv; ++c) sum += load(do_row[c]) * load(o_row[c]);
-        delta[cfg.lse_index(n, h, i)] = sum;
-      }
-    });
-  const int64_t bs = key_block(cfg);
-  // One thread owns a (n, key/value head) pair: it alone writes that pair's dk, dv and, since each query
-  // head belongs to one key/value head, its query heads' dq. Each is summed in the compute type (dq over the
-  // task, dk and dv over a key block) and added to the output once, rounded once for halves. With delta_pass,
-  // it sums its rows' delta instead.
-  const auto pass = [&](bool delta_pass) {
-    parallel_for(
-        cfg.N * cfg.Hk, cfg.work(),
-        [&](int64_t task) {
-          const int64_t n = task / cfg.Hk, hk = task % cfg.Hk, g = cfg.group();
-          const Visible vis = cfg.seq(n);
-          thread_local typename P::Packed kt, vt, dop;       // k_blk^T, v_blk^T; dout_blk
-          thread_local typename E::Packed kp, qp;            // k_blk, q_blk
-          thread_local typename P::Buffer q_buf, do_buf, w_buf;  // the blocks' rows; the weights as an operand
-          thread_local typename E::Buffer ds_buf;
-          thread_local RowMat<C> p_blk, dp_blk, pd_blk, dcap;  // (Br, Bc)
-          thread_local RowMat<C> dq_acc, dk_acc, dv_acc;     // (g * L, D) the group's dq; (Bc, D), (Bc, Dv)
-          if (!delta_pass) dq_acc.setZero(g * vis.L, cfg.D);
+  // The softmax backward's term delta = rowsum(dout * out) = sum_j P_ij dP_ij (dropout included), per row: from
+  // dout and out for float and double, and for bfloat16 under flash numerics (as PyTorch's CPU flash kernel); else
+  // for the halves from the blocks' P and dP, in a first walk over the task's blocks: the output was rounded to half
+  // precision, and delta from it would carry that rounding into every dS = P (dP - delta), dq and dk (up to 5 times
+  // the error of PyTorch's float32-internal math backend). Summed in a fixed order, so results are reproducible.
+  const bool delta_from_blocks = is_half<T> && !cfg.flash_numerics;
+  const int64_t bs = key_block(cfg), g = cfg.group();
+  std::vector<C> dsink_nh(cfg.sinks && dsinks ? cfg.N * cfg.Hq : 0);  // each (n, h)'s share of the sinks' gradient
+  // One thread owns a (n, key/value head) pair: it alone writes that pair's dk, dv and, since each query head
+  // belongs to one key/value head, its query heads' dq. Each is summed in the compute type (dq over the task, dk and
+  // dv over a key block) and added to the output once, rounded once for halves.
+  parallel_for(
+      cfg.N * cfg.Hk, cfg.work(),
+      [&](int64_t task) {
+        const int64_t n = task / cfg.Hk, hk = task % cfg.Hk;
+        const Visible vis = cfg.seq(n);
+        thread_local typename P::Packed kt, vt;            // k_blk^T, v_blk^T
+        thread_local typename W::Packed kp, qp, dop;       // k_blk, q_blk, dout_blk
+        thread_local typename P::Buffer q_buf, do_buf;     // the blocks' rows
+        thread_local typename W::Buffer w_buf;             // the weights or their gradient as an operand
+        thread_local RowMat<C> p_blk, dp_blk, pd_blk, dcap;  // (Br, Bc)
+        thread_local RowMat<C> dq_acc, dk_acc, dv_acc;     // (g * L, D) the group's dq; (Bc, D), (Bc, Dv)
+        thread_local std::vector<C> delta;                 // (g * L) the group's rows' delta
+        delta.assign(std::size_t(g * vis.L), C(0));
+        if (!delta_from_blocks)
+          for (int64_t r = 0; r < g * vis.L; ++r) {
+            const T *do_row = dout.at(n, hk * g + r / vis.L, vis.q0 + r % vis.L);
+            const T *o_row = out.at(n, hk * g + r / vis.L, vis.q0 + r % vis.L);
+            for (int64_t c = 0; c < cfg.Dv; ++c) delta[r] += load(do_row[c]) * load(o_row[c]);
+          }
+        // One walk over the task's blocks: with delta_walk, it sums its rows' delta; else the gradients.
+        const auto walk = [&](bool delta_walk) {
           for (int64_t j0 = 0; j0 < vis.S; j0 += bs) {
             const int64_t width = std::min(bs, vis.S - j0);
             // the query rows [i_begin, i_end) that see keys of this block
@@ -315,8 +314,8 @@ void backward(const View4<T>& dq, const View4<T>& dk, const View4<T>& dv, comput
             if (i_begin >= i_end) continue;
             P::pack(kt, k, n, hk, vis.k0 + j0, width, cfg.D, true);
             P::pack(vt, v, n, hk, vis.k0 + j0, width, cfg.Dv, true);
-            if (!delta_pass) {
-              E::pack(kp, k, n, hk, vis.k0 + j0, width, cfg.D, false);
+            if (!delta_walk) {
+              W::pack(kp, k, n, hk, vis.k0 + j0, width, cfg.D, false);
               dk_acc.setZero(width, cfg.D);
               dv_acc.setZero(width, cfg.Dv);
             }
@@ -326,9 +325,9 @@ void backward(const View4<T>& dq, const View4<T>& dk, const View4<T>& dv, comput
                 const int64_t rows = b.rows, cols = std::min(width, vis.last_key(i0 + rows - 1) + 1 - j0);
                 const auto q_blk = P::rows(q_buf, q, n, h, vis.q0 + i0, rows, cfg.D);
                 const C* lse = logsumexp + cfg.lse_index(n, h, i0);
-                C* dlt = delta.data() + cfg.lse_index(n, h, i0);
+                C* dlt = delta.data() + (h - hk * g) * vis.L + i0;
                 // s = softcap(scale * q k^T) + bias;  p = exp(s - lse)
-                if (!score_block<P>(p_blk, delta_pass ? nullptr : &dcap, q_blk, kt, b, cols, cfg, vis, j0)) continue;
+                if (!score_block<P>(p_blk, delta_walk ? nullptr : &dcap, q_blk, kt, b, cols, cfg, vis, j0)) continue;
                 probs_from_lse(p_blk, lse);
                 // dp_dropped = dout v^T            <- out = p_dropped v
                 const auto do_blk = P::rows(do_buf, dout, n, h, vis.q0 + i0, rows, cfg.Dv);
@@ -341,49 +340,61 @@ void backward(const View4<T>& dq, const View4<T>& dk, const View4<T>& dv, comput
                   apply_dropout(dp_blk, cfg, b, j0);  // dp = dp_dropped * keep / (1 - p)
                   p_used = &pd_blk;
                 }
-                if (delta_pass) {  // delta += rowsum(p * dp) over this block's keys
+                if (delta_walk) {  // delta += rowsum(p * dp) over this block's keys
                   for (int64_t r = 0; r < rows; ++r)
                     for (int64_t c = 0; c < cols; ++c) dlt[r] += p_blk(r, c) * dp_blk(r, c);
                   continue;
                 }
                 // dv += p_used^T dout
-                P::pack(dop, do_blk, rows, cfg.Dv);
-                P::weights_t_product(dv_acc.data(), cfg.Dv, *p_used, w_buf, dop, cfg.Dv, C(1), Write::accumulate);
+                W::pack(dop, dout, n, h, vis.q0 + i0, rows, cfg.Dv, false);
+                W::weights_t_product(dv_acc.data(), cfg.Dv, *p_used, w_buf, dop, cfg.Dv, C(1), Write::accumulate);
                 // ds = p * (dp - delta)            <- p = softmax(s)
                 for (int64_t r = 0; r < rows; ++r) p_blk.row(r).array() *= dp_blk.row(r).array() - dlt[r];
                 // ds_raw = ds * (1 - tanh^2)       <- s = softcap * tanh(s_raw / softcap)
                 if (cfg.softcap > 0) p_blk.array() *= dcap.array();
                 // dq += scale * ds k;  dk += scale * ds^T q   <- s_raw = scale * q k^T
-                E::weights_product(dq_acc.data() + ((h - hk * g) * vis.L + i0) * cfg.D, cfg.D, p_blk, ds_buf, kp,
+                W::weights_product(dq_acc.data() + ((h - hk * g) * vis.L + i0) * cfg.D, cfg.D, p_blk, w_buf, kp,
                                    cfg.D, cfg.scale, Write::accumulate);
-                E::pack(qp, q, n, h, vis.q0 + i0, rows, cfg.D, false);
-                E::weights_t_product(dk_acc.data(), cfg.D, p_blk, ds_buf, qp, cfg.D, cfg.scale, Write::accumulate);
+                W::pack(qp, q, n, h, vis.q0 + i0, rows, cfg.D, false);
+                W::weights_t_product(dk_acc.data(), cfg.D, p_blk, w_buf, qp, cfg.D, cfg.scale, Write::accumulate);
               }
-            if (!delta_pass) {
+            if (!delta_walk) {
               add_rows(dk, n, hk, vis.k0 + j0, dk_acc.data(), width, cfg.D);
               add_rows(dv, n, hk, vis.k0 + j0, dv_acc.data(), width, cfg.Dv);
             }
           }
-          if (!delta_pass)
-            for (int64_t h = 0; h < g; ++h)
-              add_rows(dq, n, hk * g + h, vis.q0, dq_acc.data() + h * vis.L * cfg.D, vis.L, cfg.D);
-        },
-        true);
-  };
-  if (delta_from_blocks) pass(true);
-  // The sinks' gradient: dsink_h = -sum_(n, i) P_(n,h,i),sink delta_(n,h,i)  <- the sink takes no value
-  if (cfg.sinks && dsinks) {
-    std::vector<C> dsink_nh(cfg.N * cfg.Hq);
-    parallel_for(cfg.N * cfg.Hq, cfg.lse_size(), [&](int64_t nh) {
-      const int64_t n = nh / cfg.Hq, h = nh % cfg.Hq;
-      for (int64_t i = 0; i < cfg.seq(n).L; ++i) {
-        const int64_t idx = cfg.lse_index(n, h, i);
-        if (logsumexp[idx] != neg_inf<C>()) dsink_nh[nh] -= std::exp(cfg.sinks[h] - logsumexp[idx]) * delta[idx];
-      }
-    });
-    for (int64_t nh = 0; nh < cfg.N * cfg.Hq; ++nh) dsinks[nh % cfg.Hq] += dsink_nh[nh];
-  }
-  pass(false);
+        };
+        if (delta_from_blocks) walk(true);
+        // the sinks' gradient: dsink_h = -sum_(n, i) P_(n,h,i),sink delta_(n,h,i)  <- the sink takes no value
+        if (!dsink_nh.empty())
+          for (int64_t h = hk * g; h < (hk + 1) * g; ++h)
+            for (int64_t i = 0; i < vis.L; ++i) {
+              const C lse = logsumexp[cfg.lse_index(n, h, i)];
+              if (lse != neg_inf<C>())
+                dsink_nh[n * cfg.Hq + h] -= std::exp(cfg.sinks[h] - lse) * delta[(h - hk * g) * vis.L + i];
+            }
+        dq_acc.setZero(g * vis.L, cfg.D);
+        walk(false);
+        for (int64_t h = 0; h < g; ++h)
+          add_rows(dq, n, hk * g + h, vis.q0, dq_acc.data() + h * vis.L * cfg.D, vis.L, cfg.D);
+      },
+      true);
+  for (std::size_t nh = 0; nh < dsink_nh.size(); ++nh) dsinks[nh % cfg.Hq] += dsink_nh[nh];
+}
+
+// Calls f(P{}, W{}) with the product policies of a call on arrays of T (attention_products.hpp): the products of
+// two inputs P's, those of the weights or their gradient W's; bfloat16 pairs at the avx512_bf16 level when the
+// arrays can be read as pairs, else in float with the weights rounded to bfloat16 under flash numerics.
+template <typename T, typename F>
+void with_products(const AttnConfig<T>& cfg, std::initializer_list<const View4<const T>*> arrays, F&& f) {
+#if defined(__AVX512BF16__)
+  if constexpr (std::is_same_v<T, bfloat16>)
+    if (PairProducts::fit(arrays, {cfg.D, cfg.Dv}))
+      return cfg.flash_numerics ? f(PairProducts{}, PairProducts{}) : f(PairProducts{}, BlockProducts<T>{});
+#endif
+  if constexpr (std::is_same_v<T, bfloat16>)
+    if (cfg.flash_numerics) return f(BlockProducts<T>{}, BlockProducts<T, true>{});
+  f(BlockProducts<T>{}, BlockProducts<T>{});
 }
 
 }  // namespace
@@ -391,18 +402,16 @@ void backward(const View4<T>& dq, const View4<T>& dk, const View4<T>& dv, comput
 template <typename T>
 void sdpa_forward(const View4<T>& out, compute_t<T>* logsumexp, const View4<const T>& q, const View4<const T>& k,
                   const View4<const T>& v, const AttnConfig<T>& cfg) {
-#if defined(__AVX512BF16__)
-  if constexpr (std::is_same_v<T, bfloat16>)
-    if (PairProducts::fit({&q, &k, &v}, {cfg.D, cfg.Dv})) return forward<PairProducts>(out, logsumexp, q, k, v, cfg);
-#endif
-  forward<BlockProducts<T>>(out, logsumexp, q, k, v, cfg);
+  with_products(cfg, {&q, &k, &v}, [&](auto p, auto w) {
+    forward<decltype(p), decltype(w)>(out, logsumexp, q, k, v, cfg);
+  });
 }
 
 template <typename T>
 void sdpa_forward_wide_queries(const View4<compute_t<T>>& out, compute_t<T>* logsumexp,
                                const View4<const compute_t<T>>& q, const View4<const T>& k, const View4<const T>& v,
                                const AttnConfig<T>& cfg) {
-  forward<BlockProducts<T>>(out, logsumexp, q, k, v, cfg);
+  forward<BlockProducts<T>, BlockProducts<T>>(out, logsumexp, q, k, v, cfg);
 }
 
 template <typename T>
@@ -410,15 +419,9 @@ void sdpa_backward(const View4<T>& dq, const View4<T>& dk, const View4<T>& dv, c
                    const View4<const T>& dout, const View4<const T>& out, const compute_t<T>* logsumexp,
                    const View4<const T>& q, const View4<const T>& k, const View4<const T>& v,
                    const AttnConfig<T>& cfg) {
-#if defined(__AVX512BF16__)
-  if constexpr (std::is_same_v<T, bfloat16>)
-    if (PairProducts::fit({&q, &k, &v, &dout}, {cfg.D, cfg.Dv})) {
-      if (cfg.reduced_precision)
-        return backward<PairProducts, PairProducts>(dq, dk, dv, dsinks, dout, out, logsumexp, q, k, v, cfg);
-      return backward<PairProducts, BlockProducts<T>>(dq, dk, dv, dsinks, dout, out, logsumexp, q, k, v, cfg);
-    }
-#endif
-  backward<BlockProducts<T>, BlockProducts<T>>(dq, dk, dv, dsinks, dout, out, logsumexp, q, k, v, cfg);
+  with_products(cfg, {&q, &k, &v, &dout}, [&](auto p, auto w) {
+    backward<decltype(p), decltype(w)>(dq, dk, dv, dsinks, dout, out, logsumexp, q, k, v, cfg);
+  });
 }
 
 template <typename T>

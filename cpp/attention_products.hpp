@@ -3,12 +3,14 @@
 // - BlockProducts<T>: in T's compute type (float for the halves, read into float as they are packed), on gemm.hpp's
 //   micro-kernel;
 // - PairProducts (the avx512_bf16 level, bfloat16 arrays): on bfloat16 pairs with vdpbf16ps (gemm_bf16.hpp), the
-//   queries, keys, values and output gradients read as they lie, the weights P rounded to bfloat16 for their
-//   products (as PyTorch's CPU flash attention does in bfloat16); twice the multiply-adds per instruction of
-//   float's FMA.
-// The backward takes the products of the scores' gradient dS from a policy of their own (attention.cpp): dS is a
-// difference of nearly equal terms, P (dP - delta), and rounded to bfloat16 it doubled the error of dq and dk
-// against PyTorch's float32-internal math backend, so they are BlockProducts' unless reduced precision is asked.
+//   queries, keys, values and output gradients read as they lie; twice the multiply-adds per instruction of
+//   float's FMA. The products of two inputs (q k^T, dO v^T) are exact; a float operand (the weights P, their
+//   gradient dS) is rounded to bfloat16 first, as PyTorch's CPU flash attention does in bfloat16.
+// The forward and the backward take the products of two inputs from one policy and those of P or dS from another
+// (attention.cpp), PairProducts for both under flash numerics (AttnConfig::flash_numerics), else BlockProducts for
+// the latter: P rounded to bfloat16 costs P v and P^T dO about PyTorch's flash kernel's error, which is up to 1.8
+// times that of PyTorch's float32-internal math backend, and dS = P (dP - delta), a difference of nearly equal
+// terms, twice dq's and dk's.
 // Each has: Rows, an A operand of rows of an input (a query block, an output-gradient block); Packed, a packed B
 // operand; Buffer, a thread's scratch for either; and the products the attention needs.
 #pragma once
@@ -42,7 +44,9 @@ bool values_in_place(compute_t<T>* acc, const RowMat<compute_t<T>>& w, const Vie
   return true;
 }
 
-template <typename T>
+// kRounded: the weights (P or dS) rounded to T before their products (bfloat16's flash numerics where the products
+// are in float: those of PyTorch's CPU flash kernel, which rounds them to the input dtype for its GEMMs).
+template <typename T, bool kRounded = false>
 struct BlockProducts {
   using C = compute_t<T>;
   using Packed = PackedB<C>;
@@ -85,8 +89,6 @@ struct BlockProducts {
       b.pack(x.data, 1, x.ld, cols, rows);
     }
   }
-  // Packs the (rows, cols) operand a.
-  static void pack(Packed& b, Rows a, int64_t rows, int64_t cols) { b.pack(a.data, a.ld, 1, rows, cols); }
 
   // c (M, N) (+)= alpha a (M, K) b, b being rows [k0, k0 + K) and columns [j0, j0 + N) of a packed matrix.
   static void product(C* c, int64_t ldc, Rows a, const Packed& b, int64_t M, int64_t N, int64_t K, C alpha,
@@ -94,21 +96,36 @@ struct BlockProducts {
     gemm(c, ldc, row_major(a.data, a.ld), b, M, N, K, alpha, write, k0, j0);
   }
   // c (M, N) (+)= alpha w b and c (+)= alpha w^T b, w weights (M, K) (resp. (K, M)), contiguous.
-  static void weights_product(C* c, int64_t ldc, const RowMat<C>& w, Buffer&, const Packed& b, int64_t N, C alpha,
-                              Write write, int64_t k0 = 0) {
-    gemm(c, ldc, row_major(w.data(), w.cols()), b, w.rows(), N, w.cols(), alpha, write, k0);
+  static void weights_product(C* c, int64_t ldc, const RowMat<C>& w, Buffer& buf, const Packed& b, int64_t N,
+                              C alpha, Write write, int64_t k0 = 0) {
+    const RowMat<C>& a = weights(w, buf);
+    gemm(c, ldc, row_major(a.data(), a.cols()), b, a.rows(), N, a.cols(), alpha, write, k0);
   }
-  static void weights_t_product(C* c, int64_t ldc, const RowMat<C>& w, Buffer&, const Packed& b, int64_t N, C alpha,
-                                Write write) {
-    gemm(c, ldc, transposed(w.data(), w.cols()), b, w.cols(), N, w.rows(), alpha, write);
+  static void weights_t_product(C* c, int64_t ldc, const RowMat<C>& w, Buffer& buf, const Packed& b, int64_t N,
+                                C alpha, Write write) {
+    const RowMat<C>& a = weights(w, buf);
+    gemm(c, ldc, transposed(a.data(), a.cols()), b, a.cols(), N, a.rows(), alpha, write);
   }
   // acc (rows of w, Dv) += w v_blk, v_blk rows [r0, r0 + w.cols()) of head (n, hk) of v, packed into vb first
   // but for a few rows (values_in_place).
   static void add_weighted_values(C* acc, const RowMat<C>& w, Buffer& buf, Packed& vb, const View4<const T>& v,
                                   int64_t n, int64_t hk, int64_t r0, int64_t Dv) {
-    if (values_in_place(acc, w, v, n, hk, r0, Dv)) return;
-    pack(vb, v, n, hk, r0, w.cols(), Dv, false);
-    weights_product(acc, Dv, w, buf, vb, Dv, C(1), Write::accumulate);
+    const RowMat<C>& a = weights(w, buf);
+    if (values_in_place(acc, a, v, n, hk, r0, Dv)) return;
+    pack(vb, v, n, hk, r0, a.cols(), Dv, false);
+    gemm(acc, Dv, row_major(a.data(), a.cols()), vb, a.rows(), Dv, a.cols(), C(1), Write::accumulate);
+  }
+
+ private:
+  // The weights as the products take them: w itself, or (kRounded) w rounded to T in buf.
+  static const RowMat<C>& weights(const RowMat<C>& w, Buffer& buf) {
+    if constexpr (!kRounded) {
+      return w;
+    } else {
+      buf.resize(w.rows(), w.cols());
+      round_n<T>(buf.data(), w.data(), w.size());
+      return buf;
+    }
   }
 };
 
@@ -148,9 +165,6 @@ struct PairProducts {
       b.pack_transposed(a.at(n, h, r0), a.row, rows, cols);
     else
       b.pack_rows(a.at(n, h, r0), a.row, rows, cols);
-  }
-  static void pack(Packed& b, Rows a, int64_t rows, int64_t cols) {
-    b.pack_rows(reinterpret_cast<const T*>(a.data), 2 * a.ld, rows, cols);
   }
 
   // (k0 and K even, but for the last block's K)

@@ -161,9 +161,11 @@ struct AttnConfig {
   uint64_t seed = 0;
   std::vector<MaskView<T>> masks;  // summed into the scores
   int64_t window_left = -1, window_right = -1;  // sliding window (FlashAttention's window_size), -1 unbounded
-  // bfloat16 only: the backward with PyTorch's CPU flash attention's numerics (delta from the rounded output; at
-  // avx512_bf16 the scores' gradient rounded to bfloat16 for its products): faster, less accurate.
-  bool reduced_precision = false;
+  // bfloat16 only: PyTorch's CPU flash attention's numerics, faster and less accurate: the weights P and their
+  // gradient dS rounded to bfloat16 for their products, the backward's softmax term from the rounded output. Else
+  // those products in float and the softmax term from the weights in float (attention_products.hpp,
+  // attention.cpp). Chosen per call by flash_numerics() below.
+  bool flash_numerics = false;
   // The forward merges its keys into a partial result over other keys already in out and logsumexp (each row's
   // normalized output and log-sum-exp; 0 and -inf for none), as ring attention merges the blocks of its ring.
   bool accumulate = false;
@@ -198,6 +200,18 @@ struct AttnConfig {
   int64_t lse_size() const { return cu_q ? Hq * cu_q[N] : N * Hq * L; }
   bool has_bias() const { return !masks.empty() || alibi || softcap > 0; }
 };
+
+// How a bfloat16 attention computes (attnpp.set_bfloat16_attention): as the PyTorch CPU kernel that
+// torch.nn.functional.scaled_dot_product_attention runs for the same call (pytorch), with flash attention's
+// numerics always (flash), or with float products always (float32).
+enum class Bfloat16Numerics : int { pytorch = 0, flash = 1, float32 = 2 };
+
+// Whether a bfloat16 call with query width D, value width Dv and dropout_p takes flash numerics. PyTorch 2.13 runs
+// its CPU flash kernel when D = Dv and there is no dropout (GQA, masks and causal included), else its math
+// backend, which computes in float32.
+inline bool flash_numerics(Bfloat16Numerics mode, int64_t D, int64_t Dv, double dropout_p) {
+  return mode == Bfloat16Numerics::flash || (mode == Bfloat16Numerics::pytorch && D == Dv && dropout_p == 0);
+}
 
 // Counter-based dropout: the decision for element `index` of the (N, H, L, S) weights depends only on
 // (seed, index), so it is the same whatever the thread count or the tiling, and the backward recomputes

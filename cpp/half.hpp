@@ -7,6 +7,7 @@
 // double are their own compute types, and load/store are the identity for them.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
@@ -138,6 +139,18 @@ inline void store_n(T* dst, const compute_t<T>* src, int64_t n) {
                          _mm256_cvtps_ph(_mm256_loadu_ps(src + i), _MM_FROUND_TO_NEAREST_INT));
 #endif
     for (; i < n; ++i) dst[i] = store<T>(src[i]);
+  }
+}
+
+// dst[i] = src[i] rounded to T, as a float (load(store<T>(src[i]))), for i < n.
+template <typename T>
+inline void round_n(compute_t<T>* dst, const compute_t<T>* src, int64_t n) {
+  constexpr int64_t kChunk = 64;
+  T rounded[kChunk];
+  for (int64_t i = 0; i < n; i += kChunk) {
+    const int64_t m = std::min(kChunk, n - i);
+    store_n(rounded, src + i, m);
+    load_n(dst + i, rounded, m);
   }
 }
 

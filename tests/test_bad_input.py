@@ -812,8 +812,9 @@ def test_every_argument_is_described():
 
 # ------------------------------------------------------------------------------------------------- globals
 GLOBAL_BAD = [
-    ("allow_reduced_precision_attention_int", lambda: attnpp.allow_reduced_precision_attention(1), TypeError,
-     ["enabled", "bool", "int"]),
+    ("set_bfloat16_attention_name", lambda: attnpp.set_bfloat16_attention("fast"), ValueError,
+     ["numerics", "'fast'", "'pytorch'", "'flash'", "'float32'"]),
+    ("set_bfloat16_attention_bool", lambda: attnpp.set_bfloat16_attention(True), ValueError, ["numerics", "True"]),
     ("set_num_threads_0", lambda: attnpp.set_num_threads(0), ValueError, ["set_num_threads", "1", "0"]),
     ("set_num_threads_negative", lambda: attnpp.set_num_threads(-3), ValueError, ["set_num_threads", "-3"]),
     ("set_num_threads_str", lambda: attnpp.set_num_threads("2"), TypeError, ["set_num_threads", "'2'"]),

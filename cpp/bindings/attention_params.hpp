@@ -7,6 +7,7 @@
 
 #include <cmath>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "arrays.hpp"
@@ -33,7 +34,7 @@ struct AttentionParams {
   std::vector<AttentionMask> masks;             // summed into the scores
   int64_t window_left = -1, window_right = -1;  // keys [i + S - L - left, i + S - L + right]; -1 unbounded
   double softcap = 0.0;                         // 0: none
-  bool reduced_precision = false;               // bfloat16: the backward as PyTorch's flash kernel
+  Bfloat16Numerics bfloat16_numerics = Bfloat16Numerics::pytorch;  // see flash_numerics() in common.hpp
   bool accumulate = false;                      // the forward merges into out and logsumexp's partial result
   py::object alibi_slopes = py::none();         // (1 or N, Hq) of the compute dtype (float32 for the halves)
   py::object sinks = py::none();                // (Hq,) of the compute dtype
@@ -64,7 +65,8 @@ struct Problem {
       throw py::value_error("causal: not a Causal value");
     cfg.scale = compute_t<T>(p.scale), cfg.causal = p.causal, cfg.dropout_p = p.dropout_p, cfg.seed = p.seed;
     cfg.window_left = p.window_left, cfg.window_right = p.window_right, cfg.softcap = compute_t<T>(p.softcap);
-    cfg.reduced_precision = p.reduced_precision, cfg.accumulate = p.accumulate;
+    cfg.flash_numerics = std::is_same_v<T, bfloat16> && flash_numerics(p.bfloat16_numerics, cfg.D, cfg.Dv, p.dropout_p);
+    cfg.accumulate = p.accumulate;
     for (const auto& m : p.masks) add_mask(m);
     if (!p.alibi_slopes.is_none()) {
       const auto a = *optional_array(p.alibi_slopes, "alibi_slopes");

@@ -447,6 +447,14 @@ PYBIND11_MODULE(_core, m) {
       .value("none", Causal::none)
       .value("top_left", Causal::top_left)
       .value("bottom_right", Causal::bottom_right);
+  py::enum_<Bfloat16Numerics>(m, "Bfloat16Numerics",
+                          "How bfloat16 attention computes: pytorch (as the PyTorch CPU kernel of the same call: "
+                          "flash when D = Dv and no dropout, else float32); flash (the weights and their gradient "
+                          "rounded for their products, the softmax term from the rounded output); float32 (those "
+                          "products in float32, the softmax term from the weights).")
+      .value("pytorch", Bfloat16Numerics::pytorch)
+      .value("flash", Bfloat16Numerics::flash)
+      .value("float32", Bfloat16Numerics::float32);
   py::class_<AttentionMask>(m, "AttentionMask",
                             "An additive mask broadcast to (N, H, L, S): element (n, h, i, j) is the element of data "
                             "at batch_offsets[n] + h * h_stride + i * l_stride + j * s_stride elements from its first "
@@ -464,9 +472,9 @@ PYBIND11_MODULE(_core, m) {
                               "The parameters of sdpa_forward/backward/weights: scale (1.0), causal (Causal.none), "
                               "dropout_p (0.0), seed (0), masks (AttentionMask list, summed into the scores), "
                               "window_left, window_right (-1 unbounded; keys [i + S - L - left, i + S - L + right]), "
-                              "softcap (0 none), accumulate (False; True: the forward merges its keys into the "
-                              "partial result over other keys that out and logsumexp hold), alibi_slopes ((1 or N, "
-                              "Hq) or None), sinks ((Hq,) or None), "
+                              "softcap (0 none), bfloat16_numerics (Bfloat16Numerics.pytorch), accumulate (False; True: the "
+                              "forward merges its keys into the partial result over other keys that out and logsumexp "
+                              "hold), alibi_slopes ((1 or N, Hq) or None), sinks ((Hq,) or None), "
                               "cu_seqlens_q and cu_seqlens_k ((N + 1,) int64: packed sequences in the arrays' one "
                               "batch entry), seqlens_k ((N,) int64: keys per batch entry, a KV cache).")
       .def(py::init<>(), "The defaults; the fields are then set as attributes.")
@@ -478,7 +486,7 @@ PYBIND11_MODULE(_core, m) {
       .def_readwrite("window_left", &AttentionParams::window_left)
       .def_readwrite("window_right", &AttentionParams::window_right)
       .def_readwrite("softcap", &AttentionParams::softcap)
-      .def_readwrite("reduced_precision", &AttentionParams::reduced_precision)
+      .def_readwrite("bfloat16_numerics", &AttentionParams::bfloat16_numerics)
       .def_readwrite("accumulate", &AttentionParams::accumulate)
       .def_readwrite("alibi_slopes", &AttentionParams::alibi_slopes)
       .def_readwrite("sinks", &AttentionParams::sinks)

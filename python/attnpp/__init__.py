@@ -6,11 +6,13 @@ checked against PyTorch. See ``attnpp.functional`` (stateless functions) and ``a
 import importlib.metadata
 import numbers
 
-from ._checks import check_bool
+from ._checks import check_choice
 from ._core import get_num_threads
 from ._seeds import get_rng_state, manual_seed, set_rng_state
 from .grad_mode import enable_grad, is_grad_enabled, no_grad
 from . import _core, functional, nn, optim
+
+_BFLOAT16_NUMERICS = ("pytorch", "flash", "float32")
 
 
 def set_num_threads(n):
@@ -27,29 +29,39 @@ def set_num_threads(n):
     _core.set_num_threads(int(n))
 
 
-def allow_reduced_precision_attention(enabled):
-    """Whether the attention's backward in bfloat16 may trade accuracy for speed, as PyTorch's
-    ``torch.backends.cuda.allow_fp16_bf16_reduction_math_sdp`` does (one setting for the process; default False).
+def set_bfloat16_attention(numerics):
+    """How the attention computes in bfloat16 (one setting for the process; default ``"pytorch"``).
 
-    False (the default): the backward takes the softmax term rowsum(dO * O) from the weights in float32, in a
-    pass of its own over the blocks, and multiplies the scores' gradient dS in float32; its errors stay within
-    1.5 times PyTorch's in the same dtype whichever PyTorch backend runs (tests/test_half.py). True: the numerics of
-    PyTorch's CPU flash attention: rowsum(dO * O) from the rounded output, and at the ``avx512_bf16`` level dS
-    rounded to bfloat16 for its products with K and Q (``vdpbf16ps``); the bfloat16 backward then runs faster (the
-    benchmark's ``reduced precision`` rows), and dq and dk carry PyTorch's flash kernel's errors: up to 2 to 5
-    times those of PyTorch's float32-internal math backend (which PyTorch takes when the value width differs from
-    the query's). float16 (whose accurate backward is already several times PyTorch's speed), float32 and float64
-    are not affected, nor is the forward.
+    PyTorch's CPU ``scaled_dot_product_attention`` computes bfloat16 inputs two ways: its flash kernel, taken when
+    the value width equals the query's (Dv = D) and there is no dropout, rounds the weights P to bfloat16 for P V
+    and P^T dO and the scores' gradient dS for dS K and dS^T Q, and takes the softmax term rowsum(dO * O) from the
+    rounded output; its math backend, taken otherwise, computes in float32 and rounds its results once. Their
+    errors are up to 1.8 times apart in the output and dv, up to 5 times in dq and dk.
+
+    Args:
+        numerics (str): ``"pytorch"`` (the default): as the PyTorch kernel of the same call, the flash numerics
+            when D = Dv and ``dropout_p`` is 0, the float32 numerics otherwise, so that attnpp's error stays within
+            1.5 times PyTorch's own on every call (tests/test_half.py). ``"flash"``: the flash numerics on every
+            call, the fastest. ``"float32"``: the float32 numerics on every call: the products of P and dS in
+            float32 and rowsum(dO * O) from P and dP in float32, in a pass of its own over the blocks; the most
+            accurate, its backward about 1.5 times as long.
+
+    At the ``avx512_bf16`` level ``vdpbf16ps`` multiplies the rounded weights as bfloat16 pairs; the other levels
+    multiply in float32, the weights rounded all the same under the flash numerics. The products of two inputs
+    (q k^T, dO v^T), the log-sum-exp, the softmax and every sum are float32 in both. float16 attention always
+    computes with the float32 numerics (no CPU level here multiplies float16 faster than float32), and float32
+    and float64 are not affected.
 
     Raises:
-        TypeError: ``enabled`` not a bool.
+        ValueError: ``numerics`` not one of the three names.
     """
-    functional._REDUCED_PRECISION = check_bool(enabled, "enabled")
+    functional._BFLOAT16_NUMERICS = getattr(_core.Bfloat16Numerics,
+                                            check_choice(numerics, "numerics", _BFLOAT16_NUMERICS))
 
 
-def reduced_precision_attention_allowed():
-    """The setting of ``allow_reduced_precision_attention`` (False by default)."""
-    return functional._REDUCED_PRECISION
+def get_bfloat16_attention():
+    """The setting of ``set_bfloat16_attention``: ``"pytorch"`` (the default), ``"flash"`` or ``"float32"``."""
+    return functional._BFLOAT16_NUMERICS.name
 
 
 def cpu_capability():
@@ -109,7 +121,7 @@ def empty_cache():
 
 __all__ = ["functional", "nn", "optim", "manual_seed", "get_rng_state", "set_rng_state", "no_grad", "enable_grad",
            "is_grad_enabled", "set_num_threads", "get_num_threads", "empty_cache", "cpu_capability", "show_config",
-           "allow_reduced_precision_attention", "reduced_precision_attention_allowed"]
+           "set_bfloat16_attention", "get_bfloat16_attention"]
 # The version is written once, in pyproject.toml; the install (scikit-build-core) copies it into the package's
 # metadata, read here. attnpp is importable only installed (its _core is built by the install, editable or not).
 __version__ = importlib.metadata.version("attnpp")

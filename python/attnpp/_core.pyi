@@ -42,6 +42,19 @@ class Causal:
     def __init__(self, value: int) -> None:
         """The member of this value."""
 
+class Bfloat16Numerics:
+    """How bfloat16 attention computes: pytorch (as the PyTorch CPU kernel of the same call: flash when D = Dv and no
+    dropout, else float32); flash (the weights and their gradient rounded for their products, the softmax term from
+    the rounded output); float32 (those products in float32, the softmax term from the weights)."""
+
+    pytorch: Bfloat16Numerics
+    flash: Bfloat16Numerics
+    float32: Bfloat16Numerics
+    name: str
+    value: int
+    def __init__(self, value: int) -> None:
+        """The member of this value."""
+
 class AttentionMask:
     """An additive mask broadcast to (N, H, L, S): element (n, h, i, j) is the element of data at batch_offsets[n] +
     h * h_stride + i * l_stride + j * s_stride elements from its first (in memory, whatever data's shape); data of
@@ -70,7 +83,7 @@ class AttentionParams:
     window_left: int  # -1 (unbounded); keys [i + S - L - window_left, i + S - L + window_right]
     window_right: int  # -1
     softcap: float  # 0.0 (none)
-    reduced_precision: bool  # False; bfloat16: the backward with PyTorch's flash kernel's numerics
+    bfloat16_numerics: Bfloat16Numerics  # Bfloat16Numerics.pytorch (common.hpp's flash_numerics)
     accumulate: bool  # False; True: the forward merges its keys into the partial result out and logsumexp hold
     alibi_slopes: Optional[_FloatArray]  # (1 or N, Hq)
     sinks: Optional[_FloatArray]  # (Hq,)

