@@ -142,15 +142,24 @@ inline void store_n(T* dst, const compute_t<T>* src, int64_t n) {
   }
 }
 
-// dst[i] = src[i] rounded to T, as a float (load(store<T>(src[i]))), for i < n.
+// dst[i] = src[i] rounded to T, as a float (load(store<T>(src[i]))), for i < n. bfloat16: on the float's bits, in
+// one vectorized pass.
 template <typename T>
 inline void round_n(compute_t<T>* dst, const compute_t<T>* src, int64_t n) {
-  constexpr int64_t kChunk = 64;
-  T rounded[kChunk];
-  for (int64_t i = 0; i < n; i += kChunk) {
-    const int64_t m = std::min(kChunk, n - i);
-    store_n(rounded, src + i, m);
-    load_n(dst + i, rounded, m);
+  if constexpr (std::is_same_v<T, bfloat16>) {
+    for (int64_t i = 0; i < n; ++i) {
+      const uint32_t u = float_to_bits(src[i]);
+      const uint32_t nearest = (u + 0x7fffu + ((u >> 16) & 1)) & 0xffff0000u;  // nearest, ties to even
+      dst[i] = bits_to_float((u & 0x7fffffffu) > 0x7f800000u ? (u | 0x00400000u) & 0xffff0000u : nearest);  // NaN
+    }
+  } else {
+    constexpr int64_t kChunk = 64;
+    T rounded[kChunk];
+    for (int64_t i = 0; i < n; i += kChunk) {
+      const int64_t m = std::min(kChunk, n - i);
+      store_n(rounded, src + i, m);
+      load_n(dst + i, rounded, m);
+    }
   }
 }
 

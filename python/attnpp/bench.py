@@ -68,8 +68,9 @@ and weights:
 
 The header names the CPU level of each library (``attnpp.cpu_capability()``, PyTorch's
 ``torch.backends.cpu.get_cpu_capability()``). ``--capability avx2`` runs the whole benchmark in a child process with
-both libraries forced to that level (``ATTNPP_CPU_CAPABILITY``, ``ATEN_CPU_CAPABILITY`` and
-``MKL_ENABLE_INSTRUCTIONS``, all read at import), so that an AVX-512 host also measures the AVX2 (or baseline) path.
+both libraries forced to that level (``ATTNPP_CPU_CAPABILITY``, ``ATEN_CPU_CAPABILITY``, and for PyTorch's products
+``MKL_ENABLE_INSTRUCTIONS`` and ``ONEDNN_MAX_CPU_ISA``, all read at import), so that an AVX-512 host also measures
+the AVX2 (or baseline) path. (Without oneDNN's cap, PyTorch's bfloat16 products keep AVX512_BF16 at every level.)
 
 How: one process; both libraries on the same thread count (``--threads``, default all cores). Each case warms
 each side up, then measures the memory of one call per side, then times attnpp and PyTorch alternately
@@ -168,14 +169,19 @@ SGEMM_SAMPLES = 5  # the sgemm is one reference figure, not a comparison: the me
 SGEMM_TARGET = 0.70  # the issue's target: attnpp's attention forward at >= 70% of the same run's sgemm GFLOP/s
 
 # --capability LEVEL: the environment that loads each library at that level. attnpp and PyTorch (ATen) share the
-# level names; MKL, which does PyTorch's matrix products, has its own names and would otherwise keep its own pick.
+# level names; MKL (PyTorch's float products) and oneDNN (its bfloat16 products: torch.mm and the flash
+# attention's GEMMs) have names of their own and would otherwise keep their own pick: uncapped, oneDNN multiplies
+# bfloat16 with AVX512_BF16 at "avx2" too, and on a CPU without AVX-512 PyTorch takes its own bfloat16 GEMM instead.
+# avx512 is attnpp's level without AVX512_BF16: oneDNN's AVX512_CORE.
 MKL_INSTRUCTIONS = {"default": "SSE4_2", "avx2": "AVX2", "avx512": "AVX512"}
-CAPABILITY_VARS = ("ATTNPP_CPU_CAPABILITY", "ATEN_CPU_CAPABILITY", "MKL_ENABLE_INSTRUCTIONS")
+ONEDNN_ISA = {"default": "SSE41", "avx2": "AVX2", "avx512": "AVX512_CORE"}
+CAPABILITY_VARS = ("ATTNPP_CPU_CAPABILITY", "ATEN_CPU_CAPABILITY", "MKL_ENABLE_INSTRUCTIONS", "ONEDNN_MAX_CPU_ISA")
 
 
 def capability_env(level):
-    """The environment variables that force ``level`` on attnpp, PyTorch and MKL (each reads its own at import)."""
-    return dict(zip(CAPABILITY_VARS, (level, level, MKL_INSTRUCTIONS[level])))
+    """The environment variables that force ``level`` on attnpp, PyTorch, MKL and oneDNN (each reads its own at
+    import)."""
+    return dict(zip(CAPABILITY_VARS, (level, level, MKL_INSTRUCTIONS[level], ONEDNN_ISA[level])))
 
 
 # ----------------------------------------------------------------------------------------------- the articles
@@ -1197,7 +1203,7 @@ def print_table(rows):
 
 
 def capability_line():
-    """The CPU level each library runs at, and the variables that forced it (``--capability`` sets all three)."""
+    """The CPU level each library runs at, and the variables that forced it (``--capability`` sets all four)."""
     attnpp_level, torch_level = attnpp.cpu_capability(), torch.backends.cpu.get_cpu_capability()
     line = f"CPU level: attnpp {attnpp_level}, PyTorch {torch_level}"
     forced = [f"{var}={os.environ[var]}" for var in CAPABILITY_VARS if var in os.environ]
