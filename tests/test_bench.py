@@ -149,7 +149,7 @@ def test_capability_runs_the_table_in_a_child_at_that_level():
     levels = LEVEL.findall(result.stdout)
     assert len(levels) == 1, result.stdout  # one header: the parent forwards the child's output, adds nothing
     assert levels[0] == ("default", "DEFAULT", " (forced: ATTNPP_CPU_CAPABILITY=default, ATEN_CPU_CAPABILITY=default, "
-                                               "MKL_ENABLE_INSTRUCTIONS=SSE4_2)")
+                                               "MKL_ENABLE_INSTRUCTIONS=SSE4_2, ONEDNN_MAX_CPU_ISA=SSE41)")
     assert "repeats: 2 alternating pairs" in result.stdout
     rows = table_rows(result.stdout)
     for name in selected:
