@@ -23,6 +23,10 @@ constexpr int64_t kForwardRows = 256;
 // forward's task walks the keys in sub-blocks of this many rows, each over its own keys, all of them taken from
 // the task's keys packed once (up to kSharedPack elements of K and V: they stay in the L2 cache).
 constexpr int64_t kWindowRows = 64, kSharedPack = int64_t(1) << 17;
+// Keys per block of the forward where they are hidden from some of the block's rows (the causal diagonal): the
+// hidden part computed shrinks with the block (at (1,12,2048,64) causal, blocks of 128 computed 6% more than the
+// visible scores; of 64, 3%). A multiple of every product's panel width.
+constexpr int64_t kEdgeKeys = 64;
 
 // Keys per block: 256 halves the forward's per-block work outside the products (rescaling the accumulated rows,
 // packing) against 128 (sdpa fwd (1,12,1024,64) against PyTorch at AVX2: 0.96 -> 1.01); 128 under the causal
@@ -106,6 +110,16 @@ void apply_dropout(RowMat<C>& p_blk, const AttnConfig<T>& cfg, const RowBlock& b
   }
 }
 
+// The largest of row[0, n), NaN when one of them is NaN (so that the row comes out NaN, as in PyTorch): Eigen's
+// vectorized max, which may pass over a NaN, then a scan for NaN when that max is -inf. Only there does a NaN
+// passed over matter: beside a finite max, the NaN makes the row's sum of exponentials NaN all the same.
+template <typename T>
+T row_max(const T* row, int64_t n) {
+  const auto x = Eigen::Map<const Eigen::Array<T, Eigen::Dynamic, 1>>(row, n);
+  const T max = n ? x.maxCoeff() : neg_inf<T>();
+  return max == neg_inf<T>() && x.isNaN().any() ? std::numeric_limits<T>::quiet_NaN() : max;
+}
+
 // row = exp(row - shift), exactly 0 where row is -inf; returns the row's sum. One pass over Eigen's packets (the
 // exp of -inf would be a tiny number instead of 0: the select fixes that). The sum is in a fixed order: one
 // partial sum per lane.
@@ -156,15 +170,24 @@ void forward(const View4<Q>& out, compute_t<T>* logsumexp, const View4<const Q>&
              const View4<const T>& v, const AttnConfig<T>& cfg) {
   using C = compute_t<T>;
   const int64_t bl = kForwardRows, bs = key_block(cfg), g = cfg.group();  // bl: rows per task, bs: keys per block
-  // One task: a block of query rows of (n, key/value head); the heads of the group share blocks when L is short.
-  const int64_t heads_per_block = std::clamp<int64_t>(bl / std::max<int64_t>(cfg.L, 1), 1, std::max<int64_t>(g, 1));
-  const int64_t row_blocks = ceil_div(cfg.L, bl), head_blocks = ceil_div(g, heads_per_block);
-  const int64_t tasks_per_n = cfg.Hk * head_blocks * row_blocks;
+  // One task: a block of query rows of (n, key/value head) for some of the group's query heads. Short sequences:
+  // the heads' rows stacked into one block of rows for the products (`stacked`: a decoding step's single rows need
+  // it). Long ones: the whole group when that leaves 8 tasks a thread, each head's rows in turn against each key
+  // block, whose K and V are packed once for all of them (GQA: at (1,12,2048,64) causal over 4 key/value heads, 3%
+  // of the time was repacking); else one head a task.
+  const int64_t row_blocks = ceil_div(cfg.L, bl), group = std::max<int64_t>(g, 1);
+  const int64_t stack = cfg.L < bl ? std::clamp<int64_t>(bl / std::max<int64_t>(cfg.L, 1), 1, group) : 1;
+  const bool stacked = stack > 1;
+  const bool grouped = !stacked && cfg.N * cfg.Hk * row_blocks >= 8 * int64_t(thread_count());
+  const int64_t heads_per_block = stacked ? stack : grouped ? group : 1;
+  const int64_t head_blocks = ceil_div(g, heads_per_block), tasks_per_n = cfg.Hk * head_blocks * row_blocks;
   parallel_for(
       cfg.N * tasks_per_n, cfg.work(),
       [&](int64_t task) {
         const int64_t n = task / tasks_per_n, hk = task % tasks_per_n / (head_blocks * row_blocks);
-        const int64_t hb = task / row_blocks % head_blocks, i0 = task % row_blocks * bl;
+        // (the row blocks last first: under the causal mask they have the most keys, and the threads then share the
+        // smaller ones at the end)
+        const int64_t hb = task / row_blocks % head_blocks, i0 = (row_blocks - 1 - task % row_blocks) * bl;
         const Visible vis = cfg.seq(n);
         if (i0 >= vis.L) return;
         const int64_t h0 = hk * g + hb * heads_per_block;
@@ -175,9 +198,11 @@ void forward(const View4<Q>& out, compute_t<T>* logsumexp, const View4<const Q>&
         thread_local typename W::Buffer w_buf;            // the weights as an operand
         thread_local RowMat<C> s_blk, acc;                // (Br, Bc) scores then weights; (Br, Dv) output
         thread_local Eigen::Matrix<C, Eigen::Dynamic, 1> m, l;  // (Br) running max and running sum
+        thread_local Eigen::Matrix<C, Eigen::Dynamic, 1> m_new, alpha;  // (rows of a key block) the max's update
         thread_local Eigen::Matrix<C, 1, Eigen::Dynamic> o_row;  // (Dv) an output row before it is written
         const int64_t R = b.count();
-        // the block's query rows: in place for one head (converted for halves), gathered for several
+        // the block's query rows (row r: head b.head(r), query b.query(r)): in place for one head (converted for
+        // halves), gathered for several
         const auto query_row = [&](int64_t r) { return q.at(n, b.head(r), vis.q0 + b.query(r)); };
         const auto q_blk = b.heads == 1 ? P::rows(q_buf, q, n, h0, vis.q0 + i0, R, cfg.D)
                                         : P::gather(q_buf, query_row, R, cfg.D);
@@ -186,7 +211,7 @@ void forward(const View4<Q>& out, compute_t<T>* logsumexp, const View4<const Q>&
         l.setZero(R);
         // rows [s0, s0 + sub_rows) walk keys [first_key(s0), last_key(s0 + sub_rows - 1)] (windowed: sub-blocks,
         // their keys in kt and vb packed once for the task when they fit: `shared`)
-        const bool windowed = cfg.window_left >= 0 && b.heads == 1;
+        const bool windowed = cfg.window_left >= 0 && !stacked;
         const int64_t sub_rows = windowed ? kWindowRows : b.rows;
         const int64_t span0 = vis.first_key(i0), span1 = std::min(vis.S, vis.last_key(i0 + b.rows - 1) + 1);
         const bool shared = windowed && span1 > span0 && (span1 - span0) * (cfg.D + cfg.Dv) <= kSharedPack;
@@ -199,42 +224,58 @@ void forward(const View4<Q>& out, compute_t<T>* logsumexp, const View4<const Q>&
           int64_t j_begin = vis.first_key(i0 + s0);
           const int64_t j_end = std::min(vis.S, vis.last_key(i0 + s1 - 1) + 1);
           if (shared) j_begin = span0 + (j_begin - span0) / P::kPanel * P::kPanel;  // from a panel's start (even)
-          for (int64_t j0 = j_begin; j0 < j_end; j0 += bs) {
-            const int64_t cols = std::min(bs, j_end - j0);
-            // rows [r0, r0 + br) see keys of this block (a one-head block: the others are hidden from it)
-            RowBlock sub = b;
-            int64_t r0 = s0;
-            if (b.heads == 1) {
-              r0 = std::clamp<int64_t>(vis.first_query(j0) - i0, s0, s1);
-              sub.i0 = i0 + r0;
-              sub.rows = std::clamp<int64_t>(vis.last_query(j0 + cols - 1) + 1 - i0, r0, s1) - r0;
-              if (sub.rows == 0) continue;
-            }
-            const int64_t br = sub.count();
+          // from `edge` on, the keys are hidden from some of the rows (the causal diagonal, a window's right end):
+          // blocks of kEdgeKeys there, so that less of the hidden part is computed
+          const int64_t seen_by_all = std::max<int64_t>(0, vis.last_key(i0 + s0) + 1 - j_begin);
+          const int64_t edge = j_begin + seen_by_all / kEdgeKeys * kEdgeKeys;
+          for (int64_t j0 = j_begin, cols; j0 < j_end; j0 += cols) {
+            cols = std::min(j0 < edge ? std::min(bs, edge - j0) : kEdgeKeys, j_end - j0);
+            // this key block's rows: all R rows of a stacked block, else each head's rows [r0, r0 + rows) that see
+            // keys of the block (the others are hidden from it), head after head
+            const int64_t r_first = std::clamp<int64_t>(vis.first_query(j0) - i0, s0, s1);
+            const int64_t r_rows = std::clamp<int64_t>(vis.last_query(j0 + cols - 1) + 1 - i0, r_first, s1) - r_first;
+            if (!stacked && r_rows == 0) continue;
             if (!shared) P::pack(kt, k, n, hk, vis.k0 + j0, cols, cfg.D, true);
-            if (!score_block<P>(s_blk, nullptr, offset(q_blk, r0), kt, sub, cols, cfg, vis, j0,
-                                shared ? j0 - span0 : 0))
-              continue;
-            for (int64_t r = 0; r < br; ++r) {
-              // the new running max; NaN once a score is NaN, so that the row comes out NaN as in PyTorch
-              const C blk_max = s_blk.row(r).template maxCoeff<Eigen::PropagateNaN>();
-              const C m_old = m(r0 + r), m_new = std::isnan(blk_max) || blk_max > m_old ? blk_max : m_old;
-              if (m_new == neg_inf<C>()) {  // nothing visible yet in this row
-                s_blk.row(r).setZero();
+            // v_blk packed: for the task (shared), else at the first of several heads (offset: its first row's)
+            bool values_packed = shared;
+            const int64_t v_row0 = shared ? j0 - span0 : 0;
+            for (int64_t hh = 0; hh < (stacked ? 1 : b.heads); ++hh) {
+              const RowBlock sub = stacked ? b : RowBlock{n, b.h0 + hh, 1, i0 + r_first, r_rows};
+              const int64_t r0 = stacked ? 0 : hh * b.rows + r_first, br = sub.count();
+              if (!score_block<P>(s_blk, nullptr, offset(q_blk, r0), kt, sub, cols, cfg, vis, j0,
+                                  shared ? j0 - span0 : 0))
                 continue;
+              // each row's new running max, and alpha = exp(m_old - m_new), which rescales what was summed under
+              // the old max (one vectorized exp for the block's rows)
+              m_new.resize(br);
+              alpha.resize(br);
+              for (int64_t r = 0; r < br; ++r) {
+                const C blk_max = row_max(&s_blk(r, 0), cols), m_old = m(r0 + r);
+                m_new(r) = std::isnan(blk_max) || blk_max > m_old ? blk_max : m_old;
+                alpha(r) = m_new(r) == neg_inf<C>() ? C(0) : m_old - m_new(r);
               }
-              const C alpha = std::exp(m_old - m_new);  // rescales what was summed under the old max
-              l(r0 + r) = l(r0 + r) * alpha + exp_shifted(&s_blk(r, 0), cols, m_new);
-              acc.row(r0 + r) *= alpha;
-              m(r0 + r) = m_new;
+              exp_shifted(alpha.data(), br, C(0));
+              for (int64_t r = 0; r < br; ++r) {
+                if (m_new(r) == neg_inf<C>()) {  // nothing visible yet in this row
+                  s_blk.row(r).setZero();
+                  continue;
+                }
+                l(r0 + r) = l(r0 + r) * alpha(r) + exp_shifted(&s_blk(r, 0), cols, m_new(r));
+                acc.row(r0 + r) *= alpha(r);
+                m(r0 + r) = m_new(r);
+              }
+              if (cfg.dropout_p > 0) apply_dropout(s_blk, cfg, sub, j0);
+              // acc += p v_blk
+              C* acc_rows = acc.data() + r0 * cfg.Dv;
+              if (!values_packed && b.heads > 1 && !stacked) {
+                W::pack(vb, v, n, hk, vis.k0 + j0, cols, cfg.Dv, false);
+                values_packed = true;
+              }
+              if (values_packed)
+                W::weights_product(acc_rows, cfg.Dv, s_blk, w_buf, vb, cfg.Dv, C(1), Write::accumulate, v_row0);
+              else
+                W::add_weighted_values(acc_rows, s_blk, w_buf, vb, v, n, hk, vis.k0 + j0, cfg.Dv);
             }
-            if (cfg.dropout_p > 0) apply_dropout(s_blk, cfg, sub, j0);
-            // acc += p v_blk
-            C* acc_rows = acc.data() + r0 * cfg.Dv;
-            if (shared)
-              W::weights_product(acc_rows, cfg.Dv, s_blk, w_buf, vb, cfg.Dv, C(1), Write::accumulate, j0 - span0);
-            else
-              W::add_weighted_values(acc_rows, s_blk, w_buf, vb, v, n, hk, vis.k0 + j0, cfg.Dv);
           }
         }
         for (int64_t r = 0; r < R; ++r) {

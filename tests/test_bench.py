@@ -22,6 +22,7 @@ from helpers import assert_close
 
 BENCH = [sys.executable, "-m", "attnpp.bench", "--quick"]
 RATIO = re.compile(r"^\d+\.\d+ \[\d+\.\d+-\d+\.\d+\]$")  # median [first quartile-third quartile]
+FLEX = ("vs FlexAttention", "vs flex_attention")  # the cases that compile FlexAttention (--quick skips them)
 LEVEL = re.compile(r"^CPU level: attnpp (\S+), PyTorch (\S+)(.*)$", re.MULTILINE)
 NUMBER = r"(\d+\.\d)"
 SGEMM = re.compile(rf"^sgemm float32 (\d+)x\1 @ \1x\1 on (\d+) threads \(median of \d+\): PyTorch {NUMBER} GFLOP/s, "
@@ -56,9 +57,10 @@ def test_quick_run_prints_a_ratio_for_every_case(quick):
 
     rows = table_rows(quick)
     skipped = dict(line[len("skipped "):].split(": ", 1) for line in quick.splitlines() if line.startswith("skipped "))
-    # --quick does not compile FlexAttention: its rows stay in the table, marked skipped, with the reason below
-    flex = [n for n in names if n.endswith("vs FlexAttention")]
-    assert len(flex) == 2 and set(skipped) == set(flex), quick
+    # --quick does not compile FlexAttention (the window cases' and transformers' flex_attention): its rows stay in
+    # the table, marked skipped, with the reason below
+    flex = [n for n in names if n.endswith(FLEX)]
+    assert len(flex) == 3 and set(skipped) == set(flex), quick
     for name in names:
         assert name in rows, f"no row for {name!r} in:\n{quick}"
         if name in skipped:
@@ -201,7 +203,7 @@ def test_quick_run_without_tiktoken_skips_only_the_training():
     for name in names:
         if name in training:
             assert rows[name][1:3] == ["skipped", "skipped"], result.stdout  # the row stays, marked skipped
-        elif not name.endswith("vs FlexAttention"):  # --quick skips it (test_quick_run_prints_a_ratio_...)
+        elif not name.endswith(FLEX):  # --quick skips it (test_quick_run_prints_a_ratio_...)
             assert RATIO.match(rows[name][3]), f"no ratio in the row of {name!r}: {rows.get(name)}"
     notes = [line for line in result.stdout.splitlines()
              if line.startswith("skipped ") and "FlexAttention" not in line]
@@ -255,7 +257,7 @@ def test_every_attnpp_forward_is_consumed_or_under_no_grad(monkeypatch):
             try:
                 attnpp_call, _ = case.build()
             except bench.Unavailable:  # FlexAttention at --quick: neither side runs
-                assert case.name.endswith("vs FlexAttention"), case.name
+                assert case.name.endswith(FLEX), case.name
                 continue
             for _ in range(3):
                 attnpp_call()

@@ -847,15 +847,21 @@ def timed_calls(models, impls, run, info):
     return tuple(calls)
 
 
-def prefill_calls(kind, model_size, tokens, reference, info, window=None, dtype="float32"):
+def prefill_calls(kind, model_size, tokens, reference, info, window=None, dtype="float32", compiled=None):
     """One prefill each: a forward over ``tokens`` tokens under no_grad, the last position's logits only (as
-    generate's first step); the time in attention into ``info`` (timed_calls)."""
+    generate's first step); the time in attention into ``info`` (timed_calls). Against "flex_attention" the
+    reference's first prefill compiles (torch.compile), outside the timings, its time into ``compiled``
+    (compile_first_call); ``compiled=None`` (--quick) skips that case as Unavailable."""
+    if reference == "flex_attention" and compiled is None:
+        raise Unavailable("--quick does not compile FlexAttention (torch.compile takes seconds here)")
     models = hf_models(kind, model_size, reference, window, dtype)
     ids = torch.randint(0, model_size["vocab_size"], (1, tokens), generator=torch.Generator().manual_seed(0))
 
     def run(model):
         with torch.no_grad():
             model(ids, logits_to_keep=1)
+    if reference == "flex_attention":
+        compile_first_call(lambda: run(models[1]), compiled)
     return timed_calls(models, ("attnpp", reference), run, info)
 
 
@@ -879,9 +885,10 @@ def decode_calls(kind, model_size, prompt, steps, info, dtype="float32"):
     return timed_calls(models, ("attnpp", "sdpa"), run, info)
 
 
-def transformers_summary(name, info, reference, target=None, per=None):
+def transformers_summary(name, info, reference, target=None, per=None, compiled=None):
     """A transformers case's line: the share of the time in attention on each side (timed_calls' figures),
-    the attention's own ratio against ``target`` (issue 22's), or tokens/s with ``per`` tokens a call."""
+    the attention's own ratio against ``target`` (issue 22's), or tokens/s with ``per`` tokens a call; the
+    reference's compile time when it compiled (``compiled``: compile_first_call's)."""
     def line(result):
         if set(info) != {"attnpp", reference}:
             return ""
@@ -892,18 +899,22 @@ def transformers_summary(name, info, reference, target=None, per=None):
         if per is not None:
             rates = [per / float(np.median(times)) for times in result.times]
             text += f"; tokens/s: attnpp {rates[0]:.1f}, {reference} {rates[1]:.1f}"
+        ratio = per_call[reference][0] / per_call["attnpp"][0]
         if target is not None:
-            ratio = per_call[reference][0] / per_call["attnpp"][0]
             text += (f"; attention {ratio:.2f} times as fast as {reference}'s, issue 22's target >= {target}: "
                      f"{'met' if ratio >= target else 'NOT met'}")
+        else:
+            text += f"; attention {ratio:.2f} times as fast as {reference}'s"
+        if compiled:
+            text += f"; its compile {compiled['compile']:.1f} s, excluded from the timings"
         return text
     return line
 
 
-def transformers_cases(size):
-    """Issue 22's cases: Hugging Face models with attn_implementation="attnpp" against "sdpa" (and "eager"):
-    prefill of a Llama-like model (float32 and bfloat16) and of a Mistral-like one with a sliding window, and
-    greedy decoding (float32 and bfloat16)."""
+def transformers_cases(size, quick):
+    """Issue 22's cases: Hugging Face models with attn_implementation="attnpp" against "sdpa" (and "eager" and
+    "flex_attention", compiled, at the first prefill length in float32): prefill of a Llama-like model (float32 and
+    bfloat16) and of a Mistral-like one with a sliding window, and greedy decoding (float32 and bfloat16)."""
     hf = size["transformers"]
     cases = []
     llama, label = hf["model"], f"Llama-like {hf['label']}"
@@ -915,11 +926,14 @@ def transformers_cases(size):
     for dtype in ("float32", "bfloat16"):
         suffix = "" if dtype == "float32" else f" {dtype}"
         for tokens in hf["prefill"] if dtype == "float32" else hf["prefill"][:1]:
-            for reference in ("sdpa", "eager") if (tokens, dtype) == (hf["prefill"][0], "float32") else ("sdpa",):
-                info = {}
+            first = (tokens, dtype) == (hf["prefill"][0], "float32")
+            for reference in ("sdpa", "eager", "flex_attention") if first else ("sdpa",):
+                info, compiled = {}, None if quick or reference != "flex_attention" else {}
                 add(f"transformers {label} prefill {tokens} tokens{suffix} vs {reference}",
-                    lambda t=tokens, r=reference, i=info, d=dtype: prefill_calls("llama", llama, t, r, i, dtype=d),
-                    info, reference, dtype, target=TRANSFORMERS_TARGETS["prefill"] if reference == "sdpa" else None)
+                    lambda t=tokens, r=reference, i=info, d=dtype, c=compiled:
+                    prefill_calls("llama", llama, t, r, i, dtype=d, compiled=c),
+                    info, reference, dtype, target=TRANSFORMERS_TARGETS["prefill"] if reference == "sdpa" else None,
+                    compiled=compiled)
         if dtype == "float32":
             window, tokens = hf["window"]
             info = {}
@@ -1021,7 +1035,7 @@ def make_cases(quick, repeats):
                           lambda w=need_weights: mha_calls(B, L, E, H, w)))
     cases += half_cases(size, repeats, float32_growth, float32_decode)
     cases += linear_cross_entropy_cases(size)
-    cases += transformers_cases(size)
+    cases += transformers_cases(size, quick)
     cases += context_parallel_cases(size)
     B4, T4, E4, H4 = size["article004"]
     articles = [("article 000 MultiheadAttention", (5, 6, 3), article000_pair),
