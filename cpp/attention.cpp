@@ -120,20 +120,23 @@ T row_max(const T* row, int64_t n) {
   return max == neg_inf<T>() && x.isNaN().any() ? std::numeric_limits<T>::quiet_NaN() : max;
 }
 
-// row = exp(row - shift), exactly 0 where row is -inf; returns the row's sum. One pass over Eigen's packets (the
-// exp of -inf would be a tiny number instead of 0: the select fixes that). The sum is in a fixed order: one
-// partial sum per lane.
+// row = exp(row - shift), exactly 0 where row is -inf; returns the row's sum. One pass over Eigen's packets. Where
+// exp_nonpositive gives exactly 0 at -inf (exp_zero_at_neg_inf) and the shift is finite, -inf - shift is -inf and
+// needs nothing more; else (a NaN shift, Eigen's generic exp, whose -inf gives a subnormal) -inf is selected to 0.
+// The sum is in a fixed order: one partial sum per lane.
 template <typename T>
 T exp_shifted(T* row, int64_t n, T shift) {
   namespace ei = Eigen::internal;
   using P = typename ei::packet_traits<T>::type;
   constexpr int64_t W = ei::unpacket_traits<P>::size;
   const P vshift = ei::pset1<P>(shift), vninf = ei::pset1<P>(neg_inf<T>()), zero = ei::pset1<P>(T(0));
+  const bool plain = exp_zero_at_neg_inf<P>() && std::isfinite(shift);
   P vsum = zero;
   int64_t c = 0;
   for (; c + W <= n; c += W) {
     const P x = ei::ploadu<P>(row + c);
-    const P e = ei::pselect(ei::pcmp_eq(x, vninf), zero, exp_nonpositive(ei::psub(x, vshift)));
+    const P e = plain ? exp_nonpositive(ei::psub(x, vshift))
+                      : ei::pselect(ei::pcmp_eq(x, vninf), zero, exp_nonpositive(ei::psub(x, vshift)));
     ei::pstoreu(row + c, e);
     vsum = ei::padd(vsum, e);
   }
@@ -169,7 +172,9 @@ template <typename P, typename W, typename T, typename Q>
 void forward(const View4<Q>& out, compute_t<T>* logsumexp, const View4<const Q>& q, const View4<const T>& k,
              const View4<const T>& v, const AttnConfig<T>& cfg) {
   using C = compute_t<T>;
-  const int64_t bl = kForwardRows, bs = key_block(cfg), g = cfg.group();  // bl: rows per task, bs: keys per block
+  // bl: rows per task; bs: keys per block, 256 under the causal mask too (its diagonal takes edge blocks, below)
+  const int64_t bl = kForwardRows, bs = cfg.window_left < 0 && cfg.window_right < 0 ? 256 : key_block(cfg);
+  const int64_t g = cfg.group();
   // One task: a block of query rows of (n, key/value head) for some of the group's query heads. Short sequences:
   // the heads' rows stacked into one block of rows for the products (`stacked`: a decoding step's single rows need
   // it). Long ones: the whole group when that leaves 8 tasks a thread, each head's rows in turn against each key

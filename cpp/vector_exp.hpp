@@ -42,4 +42,16 @@ P exp_nonpositive(const P& x) {
   }
 }
 
+// Whether exp_nonpositive gives exactly 0 at -inf: float at AVX2 (the fast ldexp above) and at AVX-512 (Eigen's
+// pexp builds 2^m from its bits: 0 below -88.4); not Eigen's generic pexp (double, the x86-64 baseline), whose
+// clamped exp(-inf) is a subnormal.
+template <typename P>
+constexpr bool exp_zero_at_neg_inf() {
+#if defined(__AVX2__)
+  return std::is_same_v<typename Eigen::internal::unpacket_traits<P>::type, float>;
+#else
+  return false;
+#endif
+}
+
 }  // namespace attnpp::ATTNPP_CPU_NS
