@@ -42,36 +42,37 @@ void fused(C* losses, C* logsumexp, C* dx, C* dw, C* db, const C* row_weight, co
       if (b)
         for (int64_t j = 0; j < V; ++j) zr[j] += b[j];
       const bool ignored = target[i] == ignore_index;
-      if (losses) {
-        // loss_i = lse - (1 - eps) z_t - eps mean_j z_j, as log_sum + (1 - eps)(m - z_t) + eps (m - mean z) with
-        // m the row's max and log_sum = log sum_j exp(z_j - m): non-negative terms, none lost next to m
+      const C wi = row_weight && !ignored ? row_weight[i] : C(0);
+      const C z_target = ignored ? C(0) : zr[target[i]];
+      if (losses || wi != C(0)) {
+        // m, the row's max, and sum = sum_j exp(z_j - m); the terms kept in place for the gradient (one exp per
+        // logit, the same whether the forward or the backward computes the gradient)
         const C m = Eigen::Map<const Eigen::Array<C, Eigen::Dynamic, 1>>(zr, V).maxCoeff();  // (vectorized)
-        const double log_sum = std::log(sum_exp_shifted(zr, V, m));
-        logsumexp[i] = C(double(m) + log_sum);
-        double loss = 0;
-        if (!ignored) {
-          loss = log_sum + (1 - double(eps)) * double(m - zr[target[i]]);
-          if (eps > 0) {
-            double sum = 0;
-            for (int64_t j = 0; j < V; ++j) sum += double(zr[j]);
-            loss += double(eps) * (double(m) - sum / double(V));
+        double z_sum = 0;  // (label smoothing's mean of the logits, taken before the exp overwrites them)
+        if (losses && eps > 0 && !ignored)
+          for (int64_t j = 0; j < V; ++j) z_sum += double(zr[j]);
+        const double sum = sum_exp_shifted(zr, V, m, wi != C(0) ? zr : nullptr), log_sum = std::log(sum);
+        if (losses) {
+          // loss_i = lse - (1 - eps) z_t - eps mean_j z_j, as log_sum + (1 - eps)(m - z_t) + eps (m - mean z):
+          // non-negative terms, none lost next to m
+          logsumexp[i] = C(double(m) + log_sum);
+          double loss = 0;
+          if (!ignored) {
+            loss = log_sum + (1 - double(eps)) * double(m - z_target);
+            if (eps > 0) loss += double(eps) * (double(m) - z_sum / double(V));
           }
+          losses[i] = C(loss);
         }
-        losses[i] = C(loss);
+        if (wi != C(0)) {
+          // dz_j = w_i (softmax(z)_j - eps / V - (1 - eps) [j = t]), softmax(z)_j = exp(z_j - m) / sum
+          //   <- loss_i = -sum_j q_j log softmax(z)_j
+          const C inv_sum = C(1 / sum);
+          for (int64_t j = 0; j < V; ++j) zr[j] = wi * (zr[j] * inv_sum - smooth);
+          // at the target, p - 1 = expm1(z_t - lse): exact even when p is within an ulp of 1
+          zr[target[i]] = wi * (std::expm1(z_target - logsumexp[i]) + (eps - smooth));
+        }
       }
-      if (!row_weight) return;
-      // dz_j = w_i (softmax(z)_j - eps / V - (1 - eps) [j = t])   <- loss_i = -sum_j q_j log softmax(z)_j
-      const C wi = ignored ? C(0) : row_weight[i], lse = logsumexp[i];
-      if (wi == C(0)) {
-        std::fill(zr, zr + V, C(0));
-        return;
-      }
-      const C z_target = zr[target[i]];
-      exp_shifted_chunks(zr, V, lse, C(0), [&](int64_t c0, const C* p, int64_t len) {
-        for (int64_t j = 0; j < len; ++j) zr[c0 + j] = wi * (p[j] - smooth);
-      });
-      // at the target, p - 1 = expm1(z_t - lse): exact even when p is within an ulp of 1
-      zr[target[i]] = wi * (std::expm1(z_target - lse) + (eps - smooth));
+      if (row_weight && wi == C(0)) std::fill(zr, zr + V, C(0));
     });
     if (!row_weight) continue;
     // dw += dz^T x, db += the column sums of dz; dx += dz w   <- z = x w^T + b (a narrow E: linear_backward's

@@ -34,13 +34,15 @@ void exp_shifted_chunks(const T* x, int64_t n, T m, T s, Use&& use) {
 
 // sum_j exp(x_j - m) in double. The exp runs in T on Eigen's vectors and each chunk is added in double, one
 // running sum per lane (a fixed order): in float32 a confident row (one logit far above 50,256 others) would add
-// terms below half an ulp of the running sum and lose them all.
+// terms below half an ulp of the running sum and lose them all. With `kept`, the terms are also written there
+// (kept may be x itself: each chunk is read before it is written).
 template <typename T>
-double sum_exp_shifted(const T* x, int64_t n, T m) {
+double sum_exp_shifted(const T* x, int64_t n, T m, T* kept = nullptr) {
   constexpr int64_t kLanes = 8;
   double lanes[kLanes] = {};
   double tail = 0;
-  exp_shifted_chunks(x, n, m, T(0), [&](int64_t, const T* buf, int64_t len) {
+  exp_shifted_chunks(x, n, m, T(0), [&](int64_t c0, const T* buf, int64_t len) {
+    if (kept) std::copy(buf, buf + len, kept + c0);
     int64_t j = 0;
     for (; j + kLanes <= len; j += kLanes)
       for (int64_t l = 0; l < kLanes; ++l) lanes[l] += double(buf[j + l]);
