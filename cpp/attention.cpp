@@ -309,8 +309,7 @@ void forward(const View4<Q>& out, compute_t<T>* logsumexp, const View4<const Q>&
           }
           store_n(dst, o_row.data(), cfg.Dv);  // rounded once, for halves
         }
-      },
-      true);
+      });
 }
 
 // The backward: the products of two inputs (q k^T, dO v^T) are P's, those of the weights or their gradient (P^T dO,
@@ -423,8 +422,7 @@ void backward(const View4<T>& dq, const View4<T>& dk, const View4<T>& dv, comput
         walk(false);
         for (int64_t h = 0; h < g; ++h)
           add_rows(dq, n, hk * g + h, vis.q0, dq_acc.data() + h * vis.L * cfg.D, vis.L, cfg.D);
-      },
-      true);
+      });
   for (std::size_t nh = 0; nh < dsink_nh.size(); ++nh) dsinks[nh % cfg.Hq] += dsink_nh[nh];
 }
 
@@ -508,8 +506,7 @@ void sdpa_weights(T* weights, const compute_t<T>* logsumexp, const View4<const T
           for (int64_t r = 0; r < rows; ++r)
             store_n(weights + ((n * heads_out + ho) * cfg.L + i0 + r) * cfg.S + j0, w.data() + r * cols, cols);
         }
-      },
-      true);
+      });
 }
 
 #define INSTANTIATE(T)                                                                                         \

@@ -56,11 +56,14 @@ int thread_count();
 void set_thread_count(int n);
 
 // body(i) for i in [0, n): on the OpenMP threads when `work` is worth it, else in a plain loop (an OpenMP region
-// with a false `if` still sets up a team, about a microsecond). dynamic: tasks of uneven cost. An exception in
-// a body (std::bad_alloc from a block buffer) stops the remaining tasks and is rethrown here: one escaping an
-// OpenMP region would terminate the process.
+// with a false `if` still sets up a team, about a microsecond). The tasks are handed out one by one as threads
+// come free (dynamic scheduling): for tasks of uneven cost (the causal attention's), and for a thread that the
+// machine holds up (another process on its core, a virtual CPU descheduled), whose share the others then take
+// (article 001's training step on this project's 2-vCPU host: 4.2 ms with a static split in such a phase, where
+// one thread alone took 2.9). An exception in a body (std::bad_alloc from a block buffer) stops the remaining tasks
+// and is rethrown here: one escaping an OpenMP region would terminate the process.
 template <typename F>
-void parallel_for(int64_t n, int64_t work, F&& body, bool dynamic = false) {
+void parallel_for(int64_t n, int64_t work, F&& body) {
   const int threads = thread_count();
   if (threads == 1 || !worth_threads(work)) {
     for (int64_t i = 0; i < n; ++i) body(i);
@@ -78,13 +81,8 @@ void parallel_for(int64_t n, int64_t work, F&& body, bool dynamic = false) {
       failed = true;
     }
   };
-  if (dynamic) {
 #pragma omp parallel for schedule(dynamic) num_threads(threads)
-    for (int64_t i = 0; i < n; ++i) guarded(i);
-  } else {
-#pragma omp parallel for schedule(static) num_threads(threads)
-    for (int64_t i = 0; i < n; ++i) guarded(i);
-  }
+  for (int64_t i = 0; i < n; ++i) guarded(i);
   if (error) std::rethrow_exception(error);
 }
 

@@ -334,8 +334,7 @@ void gemm_parallel(T* C, int64_t ldc, Operand<T> A, Operand<T> B, int64_t M, int
           else
             gemm_unpacked(c, ldc, a, B.data + k0 * B.rs + j0, B.rs, rows, cols, kc, alpha, w);
         }
-      },
-      true);
+      });
 }
 
 }  // namespace attnpp::ATTNPP_CPU_NS

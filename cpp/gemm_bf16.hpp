@@ -289,8 +289,7 @@ void gemm_pairs_parallel(PairOperand A, const PackedPairs& B, int64_t M, int64_t
         gemm_pairs(tile.data(), B.kPanel, {A.data + i0 * A.rs, A.rs, A.cs}, B, rows, cols, K2, 1.f, Write::assign,
                    0, j0);
         out(i0, j0, rows, cols, tile.data(), B.kPanel);
-      },
-      true);
+      });
 }
 
 }  // namespace attnpp::ATTNPP_CPU_NS

@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <cmath>
 #include <memory>
+#include <vector>
 
 #include "gemm.hpp"
 #include "linear.hpp"
@@ -27,8 +28,7 @@ void fused(C* losses, C* logsumexp, C* dx, C* dw, C* db, const C* row_weight, co
   const int64_t rows = std::clamp<int64_t>(kLogitsBytes / (V * int64_t(sizeof(C))), 1, std::max<int64_t>(N, 1));
   const std::unique_ptr<C[]> z(new C[std::size_t(std::min(rows, N) * V)]);  // (uninitialized: the product writes it)
   const C smooth = eps / C(V);  // each class's share of the smoothing
-  // vocabulary rows per block: 4096 at E = 768 in float; the whole vocabulary for a narrow E (fewer, larger
-  // parallel loops)
+  // vocabulary rows per block: 4096 at E = 768 in float
   const int64_t block = std::max<int64_t>(1, kPackBytes / (std::max<int64_t>(E, 1) * int64_t(sizeof(C))));
   for (int64_t r0 = 0; r0 < N; r0 += rows) {
     const int64_t R = std::min(rows, N - r0);
@@ -75,14 +75,144 @@ void fused(C* losses, C* logsumexp, C* dx, C* dw, C* db, const C* row_weight, co
       if (row_weight && wi == C(0)) std::fill(zr, zr + V, C(0));
     });
     if (!row_weight) continue;
-    // dw += dz^T x, db += the column sums of dz; dx += dz w   <- z = x w^T + b (a narrow E: linear_backward's
-    // dot products, which pack nothing of the weight)
-    const bool narrow = E < gemm_detail::Vec<C>::width;
-    linear_backward<C>(narrow && dx ? dx + r0 * E : nullptr, dw, db, z.get(), xc, w, R, E, V);
-    if (dx && !narrow)
+    // dw += dz^T x, db += the column sums of dz; dx += dz w   <- z = x w^T + b
+    linear_backward<C>(nullptr, dw, db, z.get(), xc, w, R, E, V);
+    if (dx)
       for (int64_t v0 = 0; v0 < V; v0 += block)
         gemm_parallel(dx + r0 * E, E, row_major(z.get() + v0, V), row_major(w + v0 * E, E), R, E,
                       std::min(block, V - v0), C(1), Write::accumulate);
+  }
+}
+
+// The same for a narrow E (fewer than one vector: article 001's 5-wide model), where the products are cheap and
+// the logits' round trips through memory were the cost (the (30, 50,257) logits written, then read by the row
+// softmax, the weight gradient and the input gradient: ~40 MB a step). Here each block of the vocabulary (all the
+// chunk's rows, kVocabBlock columns: in the L2 cache) is taken through the whole pipeline while it is hot, in
+// three phases: (1) per block, in parallel: its logits, and for each row its max m_b and sum_b = sum exp(z - m_b)
+// (the terms kept in place); (2) per row: m = max_b m_b, sum = sum_b sum_b exp(m_b - m), the log-sum-exp and the
+// loss; (3) per block, in parallel: dz = w_i (exp(z - m_b) exp(m_b - m) / sum - eps / V) (and the target's), then
+// the block's rows of dw and db, and its share of dx (summed over the blocks in order afterwards). One exp per
+// logit; every sum in a fixed order, whatever the thread count.
+constexpr int64_t kVocabBlock = 1024;  // vocabulary columns per block
+// a block's row stride: not 4 KiB (1024 floats), whose rows' loads and stores alias in the L1 cache (the block's
+// product ran at a third of its rate)
+constexpr int64_t kBlockStride = kVocabBlock + 16;
+constexpr int64_t kNarrowRows = 128;   // rows per chunk (a block's logits: at most 512 KiB in float)
+
+template <typename C>
+void fused_narrow(C* losses, C* logsumexp, C* dx, C* dw, C* db, const C* row_weight, const C* x, const C* w,
+                  const C* b, const int64_t* target, int64_t N, int64_t E, int64_t V, int64_t ignore_index, C eps) {
+  const int64_t blocks = ceil_div(V, kVocabBlock);
+  const C smooth = eps / C(V);
+  for (int64_t r0 = 0; r0 < N; r0 += kNarrowRows) {
+    const int64_t R = std::min(kNarrowRows, N - r0);
+    const C* xc = x + r0 * E;
+    // block bl's logits: R rows of its width, from z + bl * R * kBlockStride, row stride kBlockStride
+    const std::unique_ptr<C[]> z(new C[std::size_t(blocks * R * kBlockStride)]);
+    const std::size_t cells = std::size_t(blocks * R), rows = std::size_t(R);  // (block, row) figures; row figures
+    std::vector<C> block_max(cells), z_target(rows), weight(rows);
+    std::vector<double> block_sum(cells), block_zsum(eps > 0 ? cells : 0);
+    for (int64_t r = 0; r < R; ++r) {
+      const bool ignored = target[r0 + r] == ignore_index;
+      weight[r] = row_weight && !ignored ? row_weight[r0 + r] : C(0);
+    }
+    const auto block_of = [&](int64_t bl, int64_t& j0, int64_t& width) {
+      j0 = bl * kVocabBlock, width = std::min(kVocabBlock, V - j0);
+      return z.get() + bl * R * kBlockStride;
+    };
+    // (1) the logits z = x w^T + b, each row's max and sum of exponentials, per block
+    parallel_for(
+        blocks, R * V * (E + 8),
+        [&](int64_t bl) {
+          int64_t j0, width;
+          C* zb = block_of(bl, j0, width);
+          thread_local PackedB<C> wt;  // (E, width) the block's w^T
+          wt.pack(w + j0 * E, 1, E, E, width);
+          gemm(zb, kBlockStride, row_major(xc, E), wt, R, width, E, C(1), Write::assign);
+          for (int64_t r = 0; r < R; ++r) {
+            C* zr = zb + r * kBlockStride;
+            if (b)
+              for (int64_t j = 0; j < width; ++j) zr[j] += b[j0 + j];
+            const int64_t t = target[r0 + r] - j0;
+            if (t >= 0 && t < width && target[r0 + r] != ignore_index) z_target[r] = zr[t];
+            if (!block_zsum.empty()) {  // (label smoothing's mean of the logits)
+              double sum = 0;
+              for (int64_t j = 0; j < width; ++j) sum += double(zr[j]);
+              block_zsum[bl * R + r] = sum;
+            }
+            const C m = Eigen::Map<const Eigen::Array<C, Eigen::Dynamic, 1>>(zr, width).maxCoeff();
+            block_max[bl * R + r] = m;
+            block_sum[bl * R + r] = sum_exp_shifted(zr, width, m, weight[r] != C(0) ? zr : nullptr);
+          }
+        });
+    // (2) each row's log-sum-exp and loss, the blocks' figures taken in order
+    std::vector<C> row_max(rows), lse(rows);
+    std::vector<double> sum(rows);
+    for (int64_t r = 0; r < R; ++r) {
+      C& m = row_max[r];
+      m = block_max[r];
+      for (int64_t bl = 1; bl < blocks; ++bl) m = std::max(m, block_max[bl * R + r]);
+      double s = 0, z_sum = 0;
+      for (int64_t bl = 0; bl < blocks; ++bl) {
+        s += block_sum[bl * R + r] * std::exp(double(block_max[bl * R + r] - m));
+        if (!block_zsum.empty()) z_sum += block_zsum[bl * R + r];
+      }
+      sum[r] = s;
+      const double log_sum = std::log(s);
+      lse[r] = C(double(m) + log_sum);
+      if (losses) {  // as fused's
+        const int64_t i = r0 + r;
+        logsumexp[i] = lse[r];
+        double loss = 0;
+        if (target[i] != ignore_index) {
+          loss = log_sum + (1 - double(eps)) * double(m - z_target[r]);
+          if (eps > 0) loss += double(eps) * (double(m) - z_sum / double(V));
+        }
+        losses[i] = C(loss);
+      }
+    }
+    if (!row_weight) continue;
+    // (3) dz, then the block's dw, db and share of dx
+    std::vector<C> dx_part(dx ? cells * std::size_t(E) : 0);  // (blocks, R, E)
+    parallel_for(
+        blocks, R * V * 3 * E,
+        [&](int64_t bl) {
+          int64_t j0, width;
+          C* zb = block_of(bl, j0, width);
+          for (int64_t r = 0; r < R; ++r) {
+            C* zr = zb + r * kBlockStride;
+            const C wi = weight[r];
+            if (wi == C(0)) {
+              std::fill(zr, zr + width, C(0));
+              continue;
+            }
+            // softmax(z)_j = exp(z_j - m_b) exp(m_b - m) / sum
+            const C factor = C(std::exp(double(block_max[bl * R + r] - row_max[r])) / sum[r]);
+            for (int64_t j = 0; j < width; ++j) zr[j] = wi * (zr[j] * factor - smooth);
+            const int64_t t = target[r0 + r] - j0;  // at the target, p - 1 = expm1(z_t - lse) (as fused's)
+            if (t >= 0 && t < width) zr[t] = wi * (std::expm1(z_target[r] - lse[r]) + (eps - smooth));
+          }
+          // dw[j0 + j] += sum_r dz[r, j] x[r]: dw^T (E, width) = x^T dz, added transposed
+          thread_local std::vector<C> dwt, wt;
+          dwt.resize(std::size_t(E * width));
+          gemm_unpacked(dwt.data(), width, transposed(xc, E), zb, kBlockStride, E, width, R, C(1), Write::assign);
+          for (int64_t j = 0; j < width; ++j)
+            for (int64_t f = 0; f < E; ++f) dw[(j0 + j) * E + f] += dwt[f * width + j];
+          if (db)
+            for (int64_t r = 0; r < R; ++r)
+              for (int64_t j = 0; j < width; ++j) db[j0 + j] += zb[r * kBlockStride + j];
+          if (dx) {  // dx_part[bl] (R, E) = dz w_blk: dot products with the rows of w_blk^T
+            wt.resize(std::size_t(E * width));
+            for (int64_t j = 0; j < width; ++j)
+              for (int64_t f = 0; f < E; ++f) wt[f * width + j] = w[(j0 + j) * E + f];
+            for (int64_t r = 0; r < R; ++r)
+              for (int64_t f = 0; f < E; ++f)
+                dx_part[(bl * R + r) * E + f] = dot(zb + r * kBlockStride, wt.data() + f * width, width);
+          }
+        });
+    if (dx)
+      for (int64_t bl = 0; bl < blocks; ++bl)
+        for (int64_t e = 0; e < R * E; ++e) dx[r0 * E + e] += dx_part[bl * R * E + e];
   }
 }
 
@@ -90,6 +220,16 @@ void fused(C* losses, C* logsumexp, C* dx, C* dw, C* db, const C* row_weight, co
 template <typename T>
 std::unique_ptr<compute_t<T>[]> zeros(bool want, int64_t n) {
   return want ? std::unique_ptr<compute_t<T>[]>(new compute_t<T>[n]()) : nullptr;
+}
+
+// fused_narrow for a narrow E, else fused.
+template <typename C>
+void run(C* losses, C* logsumexp, C* dx, C* dw, C* db, const C* row_weight, const C* x, const C* w, const C* b,
+         const int64_t* target, int64_t N, int64_t E, int64_t V, int64_t ignore_index, C eps) {
+  if (E < gemm_detail::Vec<C>::width)
+    fused_narrow(losses, logsumexp, dx, dw, db, row_weight, x, w, b, target, N, E, V, ignore_index, eps);
+  else
+    fused(losses, logsumexp, dx, dw, db, row_weight, x, w, b, target, N, E, V, ignore_index, eps);
 }
 
 }  // namespace
@@ -103,13 +243,13 @@ void linear_cross_entropy(compute_t<T>* losses, compute_t<T>* logsumexp, T* dx, 
     const auto xc = converted(x, N * E), wc = converted(w, V * E), bc = converted(b, V);
     const bool grads = row_weight != nullptr;
     const auto dxc = zeros<T>(grads && dx, N * E), dwc = zeros<T>(grads, V * E), dbc = zeros<T>(grads && db, V);
-    fused<C>(losses, logsumexp, dxc.get(), dwc.get(), dbc.get(), row_weight, xc.get(), wc.get(), bc.get(), target,
-             N, E, V, ignore_index, C(label_smoothing));
+    run<C>(losses, logsumexp, dxc.get(), dwc.get(), dbc.get(), row_weight, xc.get(), wc.get(), bc.get(), target,
+           N, E, V, ignore_index, C(label_smoothing));
     if (dxc) add_rounded(dx, dxc.get(), N * E);
     if (dwc) add_rounded(dw, dwc.get(), V * E);
     if (dbc) add_rounded(db, dbc.get(), V);
   } else {
-    fused<C>(losses, logsumexp, dx, dw, db, row_weight, x, w, b, target, N, E, V, ignore_index, C(label_smoothing));
+    run<C>(losses, logsumexp, dx, dw, db, row_weight, x, w, b, target, N, E, V, ignore_index, C(label_smoothing));
   }
 }
 

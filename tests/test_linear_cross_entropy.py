@@ -17,8 +17,11 @@ import attnpp.nn as ann
 import attnpp.torch as AT
 
 TOL = {np.float64: 1e-10, np.float32: 2e-5}
-CASES = [  # (input shape, V): one row, one class, a 3-D input, rows over several chunks of the vocabulary's logits
-    ((1, 8), 5), ((37, 16), 1), ((4, 7, 16), 300), ((500, 16), 50257), ((64, 5), 300)]
+CASES = [  # (input shape, V): one row, one class, a 3-D input, rows over several chunks of the vocabulary's logits;
+    # a width narrower than a vector (the narrow path, by blocks of the vocabulary: several blocks and row chunks,
+    # and article 001's size)
+    ((1, 8), 5), ((37, 16), 1), ((4, 7, 16), 300), ((500, 16), 50257), ((64, 5), 300), ((200, 5), 3000),
+    ((30, 5), 50257)]
 
 
 def max_rel(ours, ref):
