@@ -1,6 +1,7 @@
 // Standalone test of ONE CPU level's kernels (the namespace attnpp::ATTNPP_CPU_NS, through its table `kernels`)
 // against naive references in double: sdpa forward (out, logsumexp) and backward (dq, dk, dv), linear forward
-// and backward, rotary embedding forward and backward, in float32, float64, bfloat16 and float16 (the references
+// and backward, the fused linear + cross-entropy (losses, dx, dw, db), rotary embedding forward and backward, in
+// float32, float64, bfloat16 and float16 (the references
 // computed from the same rounded inputs; the halves within two roundings of their dtype). No Python, no
 // framework: one line per check, then "N passed, N failed".
 // Built and run per level (natively, and under qemu for aarch64 and an old x86-64) by tools/cross_check.sh, e.g.
@@ -250,8 +251,8 @@ void test_sdpa(const Case& c) {
     const auto& K = table<T>();
     K.sdpa_forward(lo.view(g.out.data()), g.lse.data(), lq.view(q.data()), lk.view(k.data()), lv.view(v.data()),
                    cfg);
-    K.sdpa_backward(lq.view(g.dq.data()), lk.view(g.dk.data()), lv.view(g.dv.data()), g.dsinks.data(), lo.view(dout.data()),
-                    lo.view<const T>(g.out.data()), g.lse.data(), lq.view(q.data()), lk.view(k.data()),
+    K.sdpa_backward(lq.view(g.dq.data()), lk.view(g.dk.data()), lv.view(g.dv.data()), g.dsinks.data(),
+                    lo.view(dout.data()), lo.view<const T>(g.out.data()), g.lse.data(), lq.view(q.data()), lk.view(k.data()),
                     lv.view(v.data()), cfg);
     return g;
   };
@@ -310,6 +311,54 @@ void test_linear(int64_t M, int64_t Fin, int64_t Fout, bool bias, bool need_dx) 
   else check_true(std::string(tag) + "dx=nullptr left alone", dx == dx0);
   if (bias) check(std::string(tag) + "db", db, db_ref);
   else check_true(std::string(tag) + "db=nullptr left alone", db == db0);
+}
+
+// ------------------------------------------------------------------------------------- linear + cross-entropy
+// losses and the gradients of x (N, E), w (V, E) and b (V) for row weights g (the backward of sum_i g_i loss_i),
+// with label smoothing eps and one ignored row (the second); E narrow (vocabulary blocks) or wide (row chunks)
+template <typename T>
+void test_linear_cross_entropy(int64_t N, int64_t E, int64_t V, double eps) {
+  using C = compute_t<T>;
+  const auto x = uniform<T>(size_t(N * E), 21, -2, 2), w = uniform<T>(size_t(V * E), 22), b = uniform<T>(size_t(V), 23);
+  const size_t n = size_t(N), nv = size_t(V);  // (`target(size_t(N))` would declare a function)
+  std::vector<int64_t> target(n);
+  for (int64_t i = 0; i < N; ++i) target[i] = i == 1 ? -100 : int64_t(mix64(uint64_t(31 + i)) % uint64_t(V));
+  std::vector<C> g(n);
+  for (int64_t i = 0; i < N; ++i) g[i] = C(0.5 + 0.25 * double(i % 3));
+  std::vector<double> loss_ref(n), dx_ref(size_t(N * E)), dw_ref(size_t(V * E)), db_ref(nv);
+  for (int64_t i = 0; i < N; ++i) {
+    std::vector<double> z(nv);
+    double m = -INFINITY, s = 0, zsum = 0;
+    for (int64_t j = 0; j < V; ++j) {
+      z[j] = dbl(b[j]);
+      for (int64_t f = 0; f < E; ++f) z[j] += dbl(x[i * E + f]) * dbl(w[j * E + f]);
+      m = std::max(m, z[j]), zsum += z[j];
+    }
+    for (int64_t j = 0; j < V; ++j) s += std::exp(z[j] - m);
+    const double lse = m + std::log(s);
+    if (target[i] < 0) continue;
+    loss_ref[i] = lse - (1 - eps) * z[target[i]] - eps * zsum / double(V);
+    for (int64_t j = 0; j < V; ++j) {
+      const double dz = double(g[i]) * (std::exp(z[j] - lse) - eps / double(V) - (j == target[i] ? 1 - eps : 0));
+      db_ref[j] += dz;
+      for (int64_t f = 0; f < E; ++f) {
+        dx_ref[i * E + f] += dz * dbl(w[j * E + f]);
+        dw_ref[j * E + f] += dz * dbl(x[i * E + f]);
+      }
+    }
+  }
+  std::vector<C> losses(n), lse(n);
+  const T zero = from_double<T>(0);
+  std::vector<T> dx(size_t(N * E), zero), dw(size_t(V * E), zero), db(size_t(V), zero);
+  table<T>().linear_cross_entropy(losses.data(), lse.data(), dx.data(), dw.data(), db.data(), g.data(), x.data(),
+                                  w.data(), b.data(), target.data(), N, E, V, -100, eps);
+  char tag[96];
+  std::snprintf(tag, sizeof tag, "linear_cross_entropy N=%lld E=%lld V=%lld eps=%g %s ", (long long)N, (long long)E,
+                (long long)V, eps, dtype_name<T>());
+  check(std::string(tag) + "losses", losses, loss_ref, tolerance<C>());
+  check(std::string(tag) + "dx", dx, dx_ref);
+  check(std::string(tag) + "dw", dw, dw_ref);
+  check(std::string(tag) + "db", db, db_ref);
 }
 
 // --------------------------------------------------------------------------------------------------- rotary
@@ -385,6 +434,9 @@ void test_all() {
   test_linear<T>(37, 3, 50, true, true);    // narrow input: the backward's transposed path
   test_linear<T>(130, 70, 90, true, true);  // wide: the tiled gemm
   test_linear<T>(130, 70, 90, false, false);
+  test_linear_cross_entropy<T>(30, 5, 3000, 0.0);  // narrow E: blocks of the vocabulary
+  test_linear_cross_entropy<T>(140, 3, 1100, 0.1);  // narrow, two row chunks, label smoothing
+  test_linear_cross_entropy<T>(20, 40, 300, 0.1);   // wide E: row chunks
   test_rotary<T>(3, 4, 37, 64, 32, false, false);  // R = D, half-split
   test_rotary<T>(3, 4, 37, 64, 32, true, true);    // R = D, interleaved, strided
   test_rotary<T>(2, 3, 300, 80, 16, false, true);  // R < D, enough rows for the threads
