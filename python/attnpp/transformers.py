@@ -167,7 +167,8 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
                    enable_gqa=query.shape[1] != key.shape[1])
     if isinstance(attention_mask, KeyLayout):
         layout = attention_mask
-        key, value = key[:, :, :layout.keys], value[:, :, :layout.keys]
+        if layout.keys < key.shape[2]:  # (a static cache's unfilled end; a slice costs ~15 us of a decoding step)
+            key, value = key[:, :, :layout.keys], value[:, :, :layout.keys]
         output = AT.scaled_dot_product_attention(
             query, key, value, is_causal=layout.is_causal, causal_alignment="bottom_right",
             window=None if layout.window is None else (layout.window - 1, 0),
