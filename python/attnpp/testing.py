@@ -25,7 +25,7 @@ import math
 import numpy as np
 import torch
 
-from .torch import from_numpy
+from .torch import from_numpy, to_numpy
 
 __all__ = ["to_tensor", "ReplayDropout", "variant_scores", "reference", "rotary_reference",
            "attention_layer_reference", "Article000CausalSelfAttention", "Article000MultiheadAttention",
@@ -35,8 +35,10 @@ __all__ = ["to_tensor", "ReplayDropout", "variant_scores", "reference", "rotary_
 
 
 def to_tensor(x, grad=False, dtype=None):
-    """A torch tensor copy of the array ``x`` (any shape; bool stays bool, integers stay integers; a floating
-    array is cast to the torch ``dtype`` if given), a leaf requiring grad if ``grad``."""
+    """A torch tensor copy of the array (or tensor) ``x`` (any shape; bool stays bool, integers stay integers; a
+    floating array is cast to the torch ``dtype`` if given), a leaf requiring grad if ``grad``."""
+    if isinstance(x, torch.Tensor):  # (np.array of a tensor goes through its __array__, deprecated by NumPy 2)
+        x = to_numpy(x)
     x = np.array(x, order="C")  # (a copy: from_numpy shares it)
     t = from_numpy(x)
     if dtype is not None and t.is_floating_point():
