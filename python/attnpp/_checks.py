@@ -139,10 +139,17 @@ def check_sinks(sinks, Hq, dtype):
     return np.ascontiguousarray(sinks, dtype=compute_dtype(dtype))
 
 
+def is_real(x):
+    """Whether ``x`` is a real number (Python's or NumPy's), not a bool; float and int without the abstract-class
+    check (a few microseconds when the interpreter's caches are cold, as in a model's decoding step)."""
+    t = type(x)
+    return t is float or t is int or (isinstance(x, numbers.Real) and not isinstance(x, (bool, np.bool_)))
+
+
 def check_loss_grad(grad_output, dtype, shape):
     """The gradient of a loss of ``shape``: a real number (when the loss is 0-d) or an ndarray of ``shape`` and
     ``dtype``, else TypeError/ValueError."""
-    if isinstance(grad_output, numbers.Real) and not isinstance(grad_output, (bool, np.bool_)):
+    if is_real(grad_output):
         if shape != ():
             raise ValueError(f"grad_output: expected shape {shape} (the loss's), got a scalar")
         return
@@ -199,7 +206,7 @@ def check_seed(seed, name="seed", used=True):
 
 def check_hyper(value, name):
     """``value`` as a finite float >= 0 (an optimizer's hyper-parameter), else TypeError/ValueError."""
-    if not isinstance(value, numbers.Real) or isinstance(value, (bool, np.bool_)):
+    if not is_real(value):
         raise TypeError(f"{name}: expected a float, got {type(value).__name__}")
     if not (value >= 0 and math.isfinite(value)):
         raise ValueError(f"{name} must be >= 0 and finite, got {value}")
@@ -222,7 +229,7 @@ def check_dtype(dtype):
 
 def check_probability(p, name):
     """``p`` as a float in [0, 1), else TypeError/ValueError naming ``name``."""
-    if not isinstance(p, numbers.Real) or isinstance(p, bool):
+    if not is_real(p):
         raise TypeError(f"{name}: expected a float in [0, 1), got {type(p).__name__}")
     if not 0.0 <= p < 1.0:
         raise ValueError(f"{name} must be in [0, 1), got {p!r}")
@@ -231,7 +238,7 @@ def check_probability(p, name):
 
 def check_label_smoothing(x):
     """``x`` as a float in [0, 1] (cross-entropy's label smoothing, as PyTorch's), else TypeError/ValueError."""
-    if not isinstance(x, numbers.Real) or isinstance(x, bool):
+    if not is_real(x):
         raise TypeError(f"label_smoothing: expected a float in [0, 1], got {type(x).__name__}")
     if not 0.0 <= x <= 1.0:
         raise ValueError(f"label_smoothing must be in [0, 1], got {x!r}")
@@ -240,7 +247,7 @@ def check_label_smoothing(x):
 
 def check_scale(scale):
     """``scale`` as a float or None, else TypeError."""
-    if scale is not None and (not isinstance(scale, numbers.Real) or isinstance(scale, bool)):
+    if scale is not None and not is_real(scale):
         raise TypeError(f"scale: expected a float or None, got {type(scale).__name__}")
     return None if scale is None else float(scale)
 
@@ -274,7 +281,7 @@ def check_softcap(softcap):
     """``softcap`` as a float > 0 (finite), or None (0 and None: no cap); else TypeError/ValueError."""
     if softcap is None:
         return None
-    if not isinstance(softcap, numbers.Real) or isinstance(softcap, bool):
+    if not is_real(softcap):
         raise TypeError(f"softcap: expected a float or None, got {type(softcap).__name__}")
     if not (softcap >= 0 and math.isfinite(softcap)):
         raise ValueError(f"softcap must be a finite number >= 0 (0 or None: no cap), got {softcap!r}")

@@ -13,7 +13,7 @@ from . import _core
 from ._checks import (HALVES, MAX_ELEMENTS, as_ndarray, broadcast_shape, check_alibi_slopes, check_array,
                       check_bool, check_choice, check_cumulative, check_dtype, check_ignore_index, check_index,
                       check_int, check_label_smoothing, check_loss_grad, check_probability, check_reduction,
-                      check_scale, check_seed, check_sinks, check_softcap, check_window, compute_dtype)
+                      check_scale, check_seed, check_sinks, check_softcap, check_window, compute_dtype, is_real)
 
 __all__ = [
     "dropout", "dropout_backward", "embedding", "embedding_backward",
@@ -1269,7 +1269,7 @@ def rotary_tables(max_positions, rotary_dim, base=10000.0, dtype=np.float32):
     rotary_dim = check_int(rotary_dim, "rotary_dim", minimum=1)
     if rotary_dim % 2:
         raise ValueError(f"rotary_dim must be even (features are rotated in pairs), got {rotary_dim}")
-    if not isinstance(base, numbers.Real) or isinstance(base, bool):
+    if not is_real(base):
         raise TypeError(f"base: expected a float, got {type(base).__name__}")
     if not (math.isfinite(base) and base > 0):
         raise ValueError(f"base must be finite and > 0, got {base!r}")

@@ -20,7 +20,7 @@ import numbers
 import numpy as np
 
 from . import _core
-from ._checks import HALVES, check_bool, check_hyper
+from ._checks import HALVES, check_bool, check_hyper, is_real
 from .nn import Parameter
 from .nn.module import to_numpy
 
@@ -260,7 +260,7 @@ class AdamW(Optimizer):
         if len(betas) != 2:
             raise ValueError(f"betas must be two floats in [0, 1), got {betas!r}")
         for b in betas:
-            if not isinstance(b, numbers.Real) or isinstance(b, (bool, np.bool_)):
+            if not is_real(b):
                 raise TypeError(f"betas: expected two floats in [0, 1), got {betas!r}")
         if not all(0.0 <= b < 1.0 for b in betas):
             raise ValueError(f"betas must be two floats in [0, 1), got {betas}")

@@ -1,6 +1,5 @@
 import inspect
 import math
-import numbers
 from collections.abc import Mapping
 
 import numpy as np
@@ -147,7 +146,7 @@ def _rotary_config(rotary, rotary_dim, rotary_base, rotary_interleaved, head_dim
     """The checked RoPE options: rotary, rotary_dim (default the head width), rotary_base, rotary_interleaved."""
     rotary = checks.check_bool(rotary, "rotary")
     rotary_interleaved = checks.check_bool(rotary_interleaved, "rotary_interleaved")
-    if not isinstance(rotary_base, numbers.Real) or isinstance(rotary_base, bool):
+    if not checks.is_real(rotary_base):
         raise TypeError(f"rotary_base: expected a float, got {type(rotary_base).__name__}")
     if not (math.isfinite(rotary_base) and rotary_base > 0):
         raise ValueError(f"rotary_base must be finite and > 0, got {rotary_base!r}")

@@ -1,6 +1,5 @@
 """The layer base class: parameters, gradients, modes and state dicts, as in torch.nn.Module."""
 import functools
-import numbers
 import threading
 import warnings
 from collections import namedtuple
@@ -175,7 +174,7 @@ class Module:
                              f"first)")
         ctx = contexts[-1]
         out_shape = ctx["out_shape"]
-        if number_for_0d and isinstance(grad_output, numbers.Real) and not isinstance(grad_output, (bool, np.bool_)):
+        if number_for_0d and checks.is_real(grad_output):
             got = () if out_shape == () else "a scalar"
         else:
             checks.check_array(grad_output, "grad_output", dtype=ctx.get("dtype", self.dtype))
