@@ -29,11 +29,13 @@ constexpr int64_t kWindowRows = 64, kSharedPack = int64_t(1) << 17;
 constexpr int64_t kEdgeKeys = 64;
 
 // Keys per block: 256 halves the forward's per-block work outside the products (rescaling the accumulated rows,
-// packing) against 128 (sdpa fwd (1,12,1024,64) against PyTorch at AVX2: 0.96 -> 1.01); 128 under the causal
-// mask or a window, whose blocks on the edges compute their hidden part too.
+// packing) against 128 (sdpa fwd (1,12,1024,64) against PyTorch at AVX2: 0.96 -> 1.01); 128 under a window, and
+// under the causal mask unless the caller takes `edge_blocks` of kEdgeKeys on the diagonal (the forward): the
+// blocks on the edges compute their hidden part too.
 template <typename T>
-int64_t key_block(const AttnConfig<T>& cfg) {
-  return cfg.causal == Causal::none && cfg.window_left < 0 && cfg.window_right < 0 ? 256 : 128;
+int64_t key_block(const AttnConfig<T>& cfg, bool edge_blocks = false) {
+  const bool window = cfg.window_left >= 0 || cfg.window_right >= 0;
+  return window || (cfg.causal != Causal::none && !edge_blocks) ? 128 : 256;
 }
 
 // A block of query rows of sequence n: heads [h0, h0 + heads) x queries [i0, i0 + rows), row r being head
@@ -172,8 +174,8 @@ template <typename P, typename W, typename T, typename Q>
 void forward(const View4<Q>& out, compute_t<T>* logsumexp, const View4<const Q>& q, const View4<const T>& k,
              const View4<const T>& v, const AttnConfig<T>& cfg) {
   using C = compute_t<T>;
-  // bl: rows per task; bs: keys per block, 256 under the causal mask too (its diagonal takes edge blocks, below)
-  const int64_t bl = kForwardRows, bs = cfg.window_left < 0 && cfg.window_right < 0 ? 256 : key_block(cfg);
+  // bl: rows per task; bs: keys per block (the causal diagonal takes edge blocks, below)
+  const int64_t bl = kForwardRows, bs = key_block(cfg, true);
   const int64_t g = cfg.group();
   // One task: a block of query rows of (n, key/value head) for some of the group's query heads. Short sequences:
   // the heads' rows stacked into one block of rows for the products (`stacked`: a decoding step's single rows need

@@ -21,6 +21,24 @@ namespace {
 constexpr int64_t kLogitsBytes = int64_t(32) << 20;  // one chunk's logits
 constexpr int64_t kPackBytes = int64_t(12) << 20;   // the block of the weight a product packs at a time
 
+// A row's loss, lse - (1 - eps) z_t - eps mean_j z_j, from its max m, log_sum = log sum_j exp(z_j - m), the
+// target's logit and the sum of the logits (for the smoothing), as log_sum + (1 - eps)(m - z_t) + eps (m - mean z):
+// non-negative terms, none lost next to m. 0 for an ignored row.
+template <typename C>
+C row_loss(bool ignored, C m, double log_sum, C z_target, double z_sum, C eps, int64_t V) {
+  if (ignored) return C(0);
+  double loss = log_sum + (1 - double(eps)) * double(m - z_target);
+  if (eps > 0) loss += double(eps) * (double(m) - z_sum / double(V));
+  return C(loss);
+}
+
+// The logits' gradient at the target, w_i (p_t - 1 + eps - eps / V), p_t - 1 taken as expm1(z_t - lse): exact even
+// when p_t is within an ulp of 1.
+template <typename C>
+C target_gradient(C wi, C z_target, C lse, C eps, C smooth) {
+  return wi * (std::expm1(z_target - lse) + (eps - smooth));
+}
+
 // In the compute type C (float or double): see linear_cross_entropy in training.hpp.
 template <typename C>
 void fused(C* losses, C* logsumexp, C* dx, C* dw, C* db, const C* row_weight, const C* x, const C* w, const C* b,
@@ -53,23 +71,15 @@ void fused(C* losses, C* logsumexp, C* dx, C* dw, C* db, const C* row_weight, co
           for (int64_t j = 0; j < V; ++j) z_sum += double(zr[j]);
         const double sum = sum_exp_shifted(zr, V, m, wi != C(0) ? zr : nullptr), log_sum = std::log(sum);
         if (losses) {
-          // loss_i = lse - (1 - eps) z_t - eps mean_j z_j, as log_sum + (1 - eps)(m - z_t) + eps (m - mean z):
-          // non-negative terms, none lost next to m
           logsumexp[i] = C(double(m) + log_sum);
-          double loss = 0;
-          if (!ignored) {
-            loss = log_sum + (1 - double(eps)) * double(m - z_target);
-            if (eps > 0) loss += double(eps) * (double(m) - z_sum / double(V));
-          }
-          losses[i] = C(loss);
+          losses[i] = row_loss(ignored, m, log_sum, z_target, z_sum, eps, V);
         }
         if (wi != C(0)) {
           // dz_j = w_i (softmax(z)_j - eps / V - (1 - eps) [j = t]), softmax(z)_j = exp(z_j - m) / sum
           //   <- loss_i = -sum_j q_j log softmax(z)_j
           const C inv_sum = C(1 / sum);
           for (int64_t j = 0; j < V; ++j) zr[j] = wi * (zr[j] * inv_sum - smooth);
-          // at the target, p - 1 = expm1(z_t - lse): exact even when p is within an ulp of 1
-          zr[target[i]] = wi * (std::expm1(z_target - logsumexp[i]) + (eps - smooth));
+          zr[target[i]] = target_gradient(wi, z_target, logsumexp[i], eps, smooth);
         }
       }
       if (row_weight && wi == C(0)) std::fill(zr, zr + V, C(0));
@@ -160,15 +170,9 @@ void fused_narrow(C* losses, C* logsumexp, C* dx, C* dw, C* db, const C* row_wei
       sum[r] = s;
       const double log_sum = std::log(s);
       lse[r] = C(double(m) + log_sum);
-      if (losses) {  // as fused's
-        const int64_t i = r0 + r;
-        logsumexp[i] = lse[r];
-        double loss = 0;
-        if (target[i] != ignore_index) {
-          loss = log_sum + (1 - double(eps)) * double(m - z_target[r]);
-          if (eps > 0) loss += double(eps) * (double(m) - z_sum / double(V));
-        }
-        losses[i] = C(loss);
+      if (losses) {
+        logsumexp[r0 + r] = lse[r];
+        losses[r0 + r] = row_loss(target[r0 + r] == ignore_index, m, log_sum, z_target[r], z_sum, eps, V);
       }
     }
     if (!row_weight) continue;
@@ -189,8 +193,8 @@ void fused_narrow(C* losses, C* logsumexp, C* dx, C* dw, C* db, const C* row_wei
             // softmax(z)_j = exp(z_j - m_b) exp(m_b - m) / sum
             const C factor = C(std::exp(double(block_max[bl * R + r] - row_max[r])) / sum[r]);
             for (int64_t j = 0; j < width; ++j) zr[j] = wi * (zr[j] * factor - smooth);
-            const int64_t t = target[r0 + r] - j0;  // at the target, p - 1 = expm1(z_t - lse) (as fused's)
-            if (t >= 0 && t < width) zr[t] = wi * (std::expm1(z_target[r] - lse[r]) + (eps - smooth));
+            const int64_t t = target[r0 + r] - j0;
+            if (t >= 0 && t < width) zr[t] = target_gradient(wi, z_target[r], lse[r], eps, smooth);
           }
           // dw[j0 + j] += sum_r dz[r, j] x[r]: dw^T (E, width) = x^T dz, added transposed
           thread_local std::vector<C> dwt, wt;
