@@ -12,7 +12,7 @@
 #include <cstring>
 #include <type_traits>
 
-#if defined(__F16C__)
+#if defined(__F16C__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
@@ -143,11 +143,26 @@ inline void store_n(T* dst, const compute_t<T>* src, int64_t n) {
 }
 
 // dst[i] = src[i] rounded to T, as a float (load(store<T>(src[i]))), for i < n. bfloat16: on the float's bits, in
-// one vectorized pass.
+// one pass, vectorized by hand under AVX2 (GCC's vectorizer left the loop scalar where the forward inlines it, and
+// the flash numerics' P rounding then took 17% of the bfloat16 forward at avx2).
 template <typename T>
 inline void round_n(compute_t<T>* dst, const compute_t<T>* src, int64_t n) {
   if constexpr (std::is_same_v<T, bfloat16>) {
-    for (int64_t i = 0; i < n; ++i) {
+    int64_t i = 0;
+#if defined(__AVX2__)
+    const __m256i one = _mm256_set1_epi32(1), half_ulp = _mm256_set1_epi32(0x7fff);
+    const __m256i high = _mm256_set1_epi32(int(0xffff0000u)), magnitude = _mm256_set1_epi32(0x7fffffff);
+    const __m256i inf = _mm256_set1_epi32(0x7f800000), quiet = _mm256_set1_epi32(0x00400000);
+    for (; i + 8 <= n; i += 8) {
+      const __m256i u = _mm256_castps_si256(_mm256_loadu_ps(src + i));
+      const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(u, 16), one);
+      const __m256i nearest = _mm256_and_si256(_mm256_add_epi32(_mm256_add_epi32(u, half_ulp), odd), high);
+      const __m256i nan = _mm256_cmpgt_epi32(_mm256_and_si256(u, magnitude), inf);  // (both below 2^31)
+      const __m256i quiet_nan = _mm256_and_si256(_mm256_or_si256(u, quiet), high);
+      _mm256_storeu_ps(dst + i, _mm256_castsi256_ps(_mm256_blendv_epi8(nearest, quiet_nan, nan)));
+    }
+#endif
+    for (; i < n; ++i) {
       const uint32_t u = float_to_bits(src[i]);
       const uint32_t nearest = (u + 0x7fffu + ((u >> 16) & 1)) & 0xffff0000u;  // nearest, ties to even
       dst[i] = bits_to_float((u & 0x7fffffffu) > 0x7f800000u ? (u | 0x00400000u) & 0xffff0000u : nearest);  // NaN

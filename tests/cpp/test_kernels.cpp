@@ -443,12 +443,45 @@ void test_all() {
   test_rotary<T>(2, 3, 11, 13, 5, true, false);    // R < D, D odd
 }
 
+// round_n<bfloat16> (the flash numerics' rounding of P and dS; vectorized by hand under AVX2) against a reference
+// of its own: the nearer in double of the two bfloat16 values around x (a tie to the even one), NaN kept NaN. Every
+// bfloat16 value's upper half with the lower halves that decide the rounding (below, at, above the tie), in runs
+// whose length is not a multiple of the vector width.
+void test_round_bfloat16() {
+  const uint32_t lows[] = {0x0000, 0x0001, 0x7fff, 0x8000, 0x8001, 0xffff, 0x4321};
+  std::vector<float> x, got;
+  for (uint32_t high = 0; high < 0x10000; ++high)
+    for (uint32_t low : lows) x.push_back(bits_to_float(high << 16 | low));
+  x.resize(x.size() - 3);
+  got.assign(x.size(), 0.0f);
+  round_n<bfloat16>(got.data(), x.data(), int64_t(x.size()));
+  int64_t wrong = 0;
+  for (size_t i = 0; i < x.size(); ++i) {
+    const uint32_t u = float_to_bits(x[i]);
+    float want;
+    if (std::isnan(x[i]) || std::isinf(x[i])) {
+      want = x[i];
+    } else {  // (above the largest bfloat16 is inf, at 2^128 for the distance)
+      const float below = bits_to_float(u & 0xffff0000u), above = bits_to_float((u & 0xffff0000u) + 0x10000u);
+      const double above_at = std::isinf(above) ? std::copysign(0x1p128, above) : double(above);
+      const double d_below = std::fabs(double(x[i]) - below), d_above = std::fabs(above_at - x[i]);
+      want = d_below < d_above || (d_below == d_above && !(u >> 16 & 1)) ? below : above;
+    }
+    const bool same = std::isnan(want) ? std::isnan(got[i]) && (float_to_bits(got[i]) & 0xffffu) == 0
+                                       : float_to_bits(got[i]) == float_to_bits(want);
+    wrong += !same;
+  }
+  check_true("round_n<bfloat16> on " + std::to_string(x.size()) + " floats: " + std::to_string(wrong) + " wrong",
+             wrong == 0);
+}
+
 int main() {
   std::printf("attnpp kernels of level %s, %d OpenMP threads available\n", STR(ATTNPP_CPU_NS), omp_get_max_threads());
   test_all<float>();
   test_all<double>();
   test_all<bfloat16>();
   test_all<float16>();
+  test_round_bfloat16();
   std::printf("%d passed, %d failed\n", passed, failed);
   return failed ? 1 : 0;
 }
