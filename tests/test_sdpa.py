@@ -1,4 +1,5 @@
 """Parity of attnpp.functional.scaled_dot_product_attention (forward and every gradient) with PyTorch."""
+import ml_dtypes
 import numpy as np
 import pytest
 import torch
@@ -227,3 +228,36 @@ def test_masked_keys_get_exactly_zero_weight(rng, dtype):
     grads = AF.scaled_dot_product_attention_backward(np.ones_like(out), q, k, v, out, lse,
                                                      attn_mask=(np.arange(16) < 3)[None])
     assert (grads[2][0, 0, 3:] == 0).all()  # keys no query sees get exactly no gradient
+
+
+@pytest.mark.parametrize("dtype", DTYPES + [ml_dtypes.bfloat16, np.float16])
+@pytest.mark.parametrize("case", [dict(), dict(is_causal=True), dict(is_causal=True, causal_alignment="bottom_right"),
+                                  dict(enable_gqa=True, scale=0.3)], ids=str)
+def test_plain_call_skips_the_general_checks_with_the_same_result(rng, monkeypatch, dtype, case):
+    # The commonest call (4-D arrays, no option beyond is_causal, scale, enable_gqa and causal_alignment) goes
+    # straight to the core (functional._plain_forward); the same call through the general path (an unbounded
+    # window, which changes nothing, sends it there) gives the same bits.
+    Hk = 2 if case.get("enable_gqa") else 6
+    q = rng.standard_normal((2, 6, 9, 8)).astype(dtype)
+    k, v = (rng.standard_normal((2, Hk, 13, 8)).astype(dtype) for _ in range(2))
+    general = AF.scaled_dot_product_attention_forward(q, k, v, window=(-1, -1), **case)
+
+    def refused(*args, **kwargs):
+        raise AssertionError("the plain call took the general path")
+    with monkeypatch.context() as m:
+        m.setattr(AF, "_Problem", refused)
+        plain = AF.scaled_dot_product_attention_forward(q, k, v, **case)
+    for ours, theirs in zip(plain[:2], general[:2]):
+        assert ours.dtype == theirs.dtype and ours.shape == theirs.shape
+        np.testing.assert_array_equal(ours.view(np.uint8), theirs.view(np.uint8))
+    assert plain.seed is None
+
+
+@pytest.mark.parametrize("kw, error", [(dict(dropout_p=False), TypeError), (dict(is_causal=1), TypeError),
+                                       (dict(scale="1"), TypeError), (dict(causal_alignment="top"), ValueError),
+                                       (dict(causal_alignment=["top_left"]), ValueError)], ids=str)
+def test_plain_call_errors_as_the_general_path(rng, kw, error):
+    # What the plain path does not take falls to the general path, whose checks name the argument.
+    q, k, v = (rng.standard_normal((1, 2, 3, 4)).astype(np.float32) for _ in range(3))
+    with pytest.raises(error, match=next(iter(kw))):
+        AF.scaled_dot_product_attention_forward(q, k, v, **kw)

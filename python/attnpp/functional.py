@@ -10,7 +10,7 @@ from typing import NamedTuple, Optional
 import numpy as np
 
 from . import _core
-from ._checks import (HALVES, MAX_ELEMENTS, as_ndarray, broadcast_shape, check_alibi_slopes, check_array,
+from ._checks import (FLOATS as _FLOATS, HALVES, MAX_ELEMENTS, as_ndarray, broadcast_shape, check_alibi_slopes, check_array,
                       check_bool, check_choice, check_cumulative, check_dtype, check_ignore_index, check_index,
                       check_int, check_label_smoothing, check_loss_grad, check_probability, check_reduction,
                       check_scale, check_seed, check_sinks, check_softcap, check_window, compute_dtype, is_real)
@@ -284,6 +284,44 @@ class _Problem:
         return np.ascontiguousarray(g.reshape(x.shape), dtype=x.dtype)
 
 
+def _plain_forward(query, key, value, dropout_p, is_causal, scale, enable_gqa, causal_alignment):
+    """The forward of the commonest call without _Problem: (N, Hq, L, D), (N, Hk, S, D) and (N, Hk, S, Dv)
+    ndarrays of one dtype with contiguous rows, Hk = Hq or a divisor of it under enable_gqa, no dropout, no option
+    beyond is_causal, scale and causal_alignment. Returns (output, logsumexp), or None for any other call, which
+    takes _Problem's path (and its errors): no call that path would refuse, and the same arrays and parameters for
+    the core. A decoding step calls the attention once per layer per token, its Python code gone cold from the
+    caches in between: in a transformers model's decoding, _Problem's few dozen Python calls took ~100 us of
+    attnpp's ~300 us attention call, whose kernel takes ~120."""
+    if type(query) is not np.ndarray or type(key) is not np.ndarray or type(value) is not np.ndarray:
+        return None
+    dtype = query.dtype
+    if query.ndim != 4 or key.ndim != 4 or value.ndim != 4 or key.dtype != dtype or value.dtype != dtype \
+            or dtype not in _FLOATS:
+        return None
+    (N, Hq, L, D), (_, Hk, S, Dv) = query.shape, value.shape
+    if key.shape != (N, Hk, S, D) or value.shape[0] != N or not (
+            Hk == Hq or (enable_gqa is True and Hk > 0 and Hq % Hk == 0)):
+        return None
+    if type(dropout_p) not in (float, int) or dropout_p != 0 or type(is_causal) is not bool \
+            or type(enable_gqa) is not bool or (scale is not None and type(scale) is not float) \
+            or type(causal_alignment) is not str or causal_alignment not in _CAUSAL:
+        return None
+    for x in (query, key, value):
+        if x.shape[-1] > 1 and x.strides[-1] != x.itemsize:
+            return None
+    if N * Hq * max(L, S) * max(L, S, D, Dv, 1) > MAX_ELEMENTS:
+        return None
+    params = _core.AttentionParams()
+    params.scale = 1.0 if D == 0 else (1.0 / math.sqrt(D) if scale is None else scale)  # (as score_scale)
+    params.causal = _CAUSAL[causal_alignment] if is_causal else _core.Causal.none
+    if _BFLOAT16_NUMERICS != _core.Bfloat16Numerics.pytorch:
+        params.bfloat16_numerics = _BFLOAT16_NUMERICS
+    out = _empty((N, Hq, L, Dv), dtype)
+    lse = np.empty((N, Hq, L), compute_dtype(dtype))
+    _core.sdpa_forward(out, lse, query, key, value, params)
+    return out, lse
+
+
 class AttentionForward(NamedTuple):
     """What ``scaled_dot_product_attention_forward`` (and the varlen forward) returns, to pass to the backward.
 
@@ -325,6 +363,11 @@ def scaled_dot_product_attention_forward(query, key, value, attn_mask=None, drop
     Fully masked rows, NaN and inf, accuracy at large scores and the method: as ``scaled_dot_product_attention``
     says.
     """
+    if attn_mask is None and seed is None and window is None and alibi_slopes is None and softcap is None \
+            and sinks is None and key_padding_mask is None:
+        plain = _plain_forward(query, key, value, dropout_p, is_causal, scale, enable_gqa, causal_alignment)
+        if plain is not None:
+            return AttentionForward(*plain, None)
     p = _Problem(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, seed, causal_alignment,
                  window=window, alibi_slopes=alibi_slopes, softcap=softcap, sinks=sinks,
                  key_padding_mask=key_padding_mask)
