@@ -80,7 +80,9 @@ def to_numpy(tensor):
     takes torch.bfloat16 (as an array of ``ml_dtypes.bfloat16``, which NumPy lacks). None stays None."""
     if tensor is None:
         return None
-    return bfloat16_tensor_as_ndarray(tensor.detach()) if tensor.dtype == torch.bfloat16 else tensor.detach().numpy()
+    if tensor.requires_grad:  # (detach() makes a new tensor object: a few microseconds a call where it is not needed)
+        tensor = tensor.detach()
+    return bfloat16_tensor_as_ndarray(tensor) if tensor.dtype == torch.bfloat16 else tensor.numpy()
 
 
 def from_numpy(array):
