@@ -284,14 +284,14 @@ class _Problem:
         return np.ascontiguousarray(g.reshape(x.shape), dtype=x.dtype)
 
 
-def _plain_forward(query, key, value, dropout_p, is_causal, scale, enable_gqa, causal_alignment):
-    """The forward of the commonest call without _Problem: (N, Hq, L, D), (N, Hk, S, D) and (N, Hk, S, Dv)
-    ndarrays of one dtype with contiguous rows, Hk = Hq or a divisor of it under enable_gqa, no dropout, no option
-    beyond is_causal, scale and causal_alignment. Returns (output, logsumexp), or None for any other call, which
-    takes _Problem's path (and its errors): no call that path would refuse, and the same arrays and parameters for
-    the core. A decoding step calls the attention once per layer per token, its Python code gone cold from the
-    caches in between: in a transformers model's decoding, the Python around the kernel took ~110 us of attnpp's
-    attention call (the kernel 110 to 210 us, with the state of the caches), ~75 us on this path."""
+def _plain_params(query, key, value, dropout_p, is_causal, scale, enable_gqa, causal_alignment):
+    """The core's parameters of the commonest call, without _Problem: (N, Hq, L, D), (N, Hk, S, D) and (N, Hk, S,
+    Dv) ndarrays of one dtype with contiguous rows, Hk = Hq or a divisor of it under enable_gqa, no dropout, no
+    option beyond is_causal, scale and causal_alignment; the arrays go to the core as they are. None for any other
+    call, which takes _Problem's path (and its errors): no call that path would refuse. A decoding step calls the
+    attention once per layer per token, its Python code gone cold from the caches in between: in a transformers
+    model's decoding, the Python around the kernel took ~110 us of attnpp's attention call (the kernel 110 to 210
+    us, with the state of the caches), ~75 us on this path."""
     if type(query) is not np.ndarray or type(key) is not np.ndarray or type(value) is not np.ndarray:
         return None
     dtype = query.dtype
@@ -311,14 +311,17 @@ def _plain_forward(query, key, value, dropout_p, is_causal, scale, enable_gqa, c
             return None
     if N * Hq * max(L, S) * max(L, S, D, Dv, 1) > MAX_ELEMENTS:
         return None
-    params = _core.AttentionParams()
-    params.scale = 1.0 if D == 0 else (1.0 / math.sqrt(D) if scale is None else scale)  # (as score_scale)
-    params.causal = _CAUSAL[causal_alignment] if is_causal else _core.Causal.none
-    if _BFLOAT16_NUMERICS != _core.Bfloat16Numerics.pytorch:
-        params.bfloat16_numerics = _BFLOAT16_NUMERICS
-    out = _empty((N, Hq, L, Dv), dtype)
-    lse = np.empty((N, Hq, L), compute_dtype(dtype))
-    _core.sdpa_forward(out, lse, query, key, value, params)
+    return attention_params((N,), Hq, dtype, scale=score_scale(scale, D),
+                            causal=causal_mode(is_causal, causal_alignment))
+
+
+def _forward(q4, k4, v4, params):
+    """The core's forward of (N, Hq, L, D), (N, Hk, S, D), (N, Hk, S, Dv) arrays: (output (N, Hq, L, Dv),
+    logsumexp (N, Hq, L) in the compute dtype)."""
+    (N, Hq, L, _), Dv = q4.shape, v4.shape[3]
+    out = _empty((N, Hq, L, Dv), q4.dtype)
+    lse = np.empty((N, Hq, L), compute_dtype(q4.dtype))
+    _core.sdpa_forward(out, lse, q4, k4, v4, params)
     return out, lse
 
 
@@ -365,15 +368,13 @@ def scaled_dot_product_attention_forward(query, key, value, attn_mask=None, drop
     """
     if attn_mask is None and seed is None and window is None and alibi_slopes is None and softcap is None \
             and sinks is None and key_padding_mask is None:
-        plain = _plain_forward(query, key, value, dropout_p, is_causal, scale, enable_gqa, causal_alignment)
-        if plain is not None:
-            return AttentionForward(*plain, None)
+        params = _plain_params(query, key, value, dropout_p, is_causal, scale, enable_gqa, causal_alignment)
+        if params is not None:
+            return AttentionForward(*_forward(query, key, value, params), None)
     p = _Problem(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, seed, causal_alignment,
                  window=window, alibi_slopes=alibi_slopes, softcap=softcap, sinks=sinks,
                  key_padding_mask=key_padding_mask)
-    out = _empty((p.N, p.Hq, p.L, p.Dv), p.dtype)
-    lse = np.empty((p.N, p.Hq, p.L), compute_dtype(p.dtype))
-    _core.sdpa_forward(out, lse, p.q4, p.k4, p.v4, p.params)
+    out, lse = _forward(p.q4, p.k4, p.v4, p.params)
     return AttentionForward(out.reshape(p.out_shape(p.L, p.Dv)), lse.reshape(p.out_shape(p.L)),
                             p.seed if p.params.dropout_p > 0 else None)
 
