@@ -61,17 +61,22 @@ void add_rows(const View4<T>& a, int64_t n, int64_t h, int64_t r0, const compute
 
 // scores (R, cols) = the scores of the rows of `b` against keys [j0, j0 + cols) of sequence `vis`:
 // scale * q_blk k_blk^T (products P: attention_products.hpp), soft-capped, plus the masks and the ALiBi bias,
-// -inf outside each row's visible keys; q_blk (R, D), kt = k_blk^T (D, >= cols) packed. With a soft cap and
-// `dcap`, also dcap (R, cols) = 1 - tanh^2, the cap's derivative. Returns false when every score is -inf.
+// -inf outside each row's visible keys; q_blk (R, D), kt = k_blk^T (D, >= cols) packed, or (`keys`, a few rows
+// under P::kKeysInPlace) k_blk's rows read where they lie, keys[c * keys_ld..]. With a soft cap and `dcap`, also
+// dcap (R, cols) = 1 - tanh^2, the cap's derivative. Returns false when every score is -inf.
 // kt_col0: the block's first column in kt (a multiple of the panel width).
 template <typename P, typename T>
 bool score_block(RowMat<compute_t<T>>& scores, RowMat<compute_t<T>>* dcap, typename P::Rows q_blk,
                  const typename P::Packed& kt, const RowBlock& b, int64_t cols, const AttnConfig<T>& cfg,
-                 const Visible& vis, int64_t j0, int64_t kt_col0 = 0) {
+                 const Visible& vis, int64_t j0, int64_t kt_col0 = 0, const T* keys = nullptr,
+                 int64_t keys_ld = 0) {
   using C = compute_t<T>;
   const int64_t R = b.count();
   scores.resize(R, cols);
-  P::product(scores.data(), cols, q_blk, kt, R, cols, cfg.D, cfg.scale, Write::assign, 0, kt_col0);
+  if constexpr (P::kKeysInPlace) {
+    if (keys) P::product_in_place(scores.data(), cols, q_blk, keys, keys_ld, R, cols, cfg.D, cfg.scale);
+  }
+  if (!keys) P::product(scores.data(), cols, q_blk, kt, R, cols, cfg.D, cfg.scale, Write::assign, 0, kt_col0);
   if (cfg.softcap > 0) {  // s = softcap * tanh(s / softcap)
     scores.array() = (scores.array() / cfg.softcap).tanh();
     if (dcap) dcap->array() = C(1) - scores.array().square();
@@ -222,6 +227,8 @@ void forward(const View4<Q>& out, compute_t<T>* logsumexp, const View4<const Q>&
         const int64_t sub_rows = windowed ? kWindowRows : b.rows;
         const int64_t span0 = vis.first_key(i0), span1 = std::min(vis.S, vis.last_key(i0 + b.rows - 1) + 1);
         const bool shared = windowed && span1 > span0 && (span1 - span0) * (cfg.D + cfg.Dv) <= kSharedPack;
+        // a few rows (a decoding step's) read the keys in place, as they do the values (attention_products.hpp)
+        const bool keys_in_place = P::kKeysInPlace && !shared && R <= kFewRows;
         if (shared) {
           P::pack(kt, k, n, hk, vis.k0 + span0, span1 - span0, cfg.D, true);
           W::pack(vb, v, n, hk, vis.k0 + span0, span1 - span0, cfg.Dv, false);
@@ -242,7 +249,7 @@ void forward(const View4<Q>& out, compute_t<T>* logsumexp, const View4<const Q>&
             const int64_t r_first = std::clamp<int64_t>(vis.first_query(j0) - i0, s0, s1);
             const int64_t r_rows = std::clamp<int64_t>(vis.last_query(j0 + cols - 1) + 1 - i0, r_first, s1) - r_first;
             if (!stacked && r_rows == 0) continue;
-            if (!shared) P::pack(kt, k, n, hk, vis.k0 + j0, cols, cfg.D, true);
+            if (!shared && !keys_in_place) P::pack(kt, k, n, hk, vis.k0 + j0, cols, cfg.D, true);
             // v_blk packed: for the task (shared), else at the first of several heads (offset: its first row's)
             bool values_packed = shared;
             const int64_t v_row0 = shared ? j0 - span0 : 0;
@@ -250,7 +257,7 @@ void forward(const View4<Q>& out, compute_t<T>* logsumexp, const View4<const Q>&
               const RowBlock sub = stacked ? b : RowBlock{n, b.h0 + hh, 1, i0 + r_first, r_rows};
               const int64_t r0 = stacked ? 0 : hh * b.rows + r_first, br = sub.count();
               if (!score_block<P>(s_blk, nullptr, offset(q_blk, r0), kt, sub, cols, cfg, vis, j0,
-                                  shared ? j0 - span0 : 0))
+                                  shared ? j0 - span0 : 0, keys_in_place ? k.at(n, hk, vis.k0 + j0) : nullptr, k.row))
                 continue;
               // each row's new running max, and alpha = exp(m_old - m_new), which rescales what was summed under
               // the old max (one vectorized exp for the block's rows)

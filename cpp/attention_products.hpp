@@ -30,14 +30,16 @@ Rows offset(Rows a, int64_t r0) {
   return {a.data + r0 * a.ld, a.ld};
 }
 
+// At most this many rows of queries or weights (a decoding step's) read the keys and values where they lie: a
+// packed copy would serve too few rows to pay.
+constexpr int64_t kFewRows = 16;
+
 // acc (rows of w, Dv) += w v_blk, v_blk = rows [r0, r0 + w.cols()) of head (n, hk) of v read in place (into the
-// compute type), when w has a few rows (a decoding step's): a packed copy of the values would serve too few rows to
-// pay (decode step of the benchmark, (8, 32 heads, 1, 128) over a cache of 4096: 15% faster in float32, 1.5 to
-// 1.8 times in bfloat16). Returns whether it did.
+// compute type), when w has a few rows (decode step of the benchmark, (8, 32 heads, 1, 128) over a cache of 4096:
+// 15% faster in float32, 1.5 to 1.8 times in bfloat16). Returns whether it did.
 template <typename T>
 bool values_in_place(compute_t<T>* acc, const RowMat<compute_t<T>>& w, const View4<const T>& v, int64_t n,
                      int64_t hk, int64_t r0, int64_t Dv) {
-  constexpr int64_t kFewRows = 16;
   if (w.rows() > kFewRows) return false;
   gemm_unpacked(acc, Dv, row_major(w.data(), w.cols()), v.at(n, hk, r0), v.row, w.rows(), Dv, w.cols(),
                 compute_t<T>(1), Write::accumulate);
@@ -95,6 +97,13 @@ struct BlockProducts {
                       Write write, int64_t k0 = 0, int64_t j0 = 0) {
     gemm(c, ldc, row_major(a.data, a.ld), b, M, N, K, alpha, write, k0, j0);
   }
+  // c (M, N) = alpha a k^T, k (N, K) rows of T with row stride ldk, read where they lie: for at most kFewRows rows
+  // of a (gemm_nt_rows). (PairProducts packs its keys whatever the rows.)
+  static constexpr bool kKeysInPlace = true;
+  static void product_in_place(C* c, int64_t ldc, Rows a, const T* k, int64_t ldk, int64_t M, int64_t N, int64_t K,
+                               C alpha) {
+    gemm_nt_rows(c, ldc, a.data, a.ld, k, ldk, M, N, K, alpha);
+  }
   // c (M, N) (+)= alpha w b and c (+)= alpha w^T b, w weights (M, K) (resp. (K, M)), contiguous.
   static void weights_product(C* c, int64_t ldc, const RowMat<C>& w, Buffer& buf, const Packed& b, int64_t N,
                               C alpha, Write write, int64_t k0 = 0) {
@@ -140,6 +149,7 @@ struct PairProducts {
     int64_t ld;            // row stride in pairs
   };
   static constexpr int64_t kPanel = Packed::kPanel;
+  static constexpr bool kKeysInPlace = false;
 
   // Whether the arrays' rows can be read as pairs: even (and nonzero) row widths and strides, 4-byte aligned data.
   static bool fit(std::initializer_list<const View4<const T>*> arrays, std::initializer_list<int64_t> widths) {

@@ -19,6 +19,7 @@
 #include <cstring>
 #include <memory>
 #include <type_traits>
+#include <utility>
 
 #include "buffer_pool.hpp"
 #include "level.hpp"
@@ -238,6 +239,72 @@ template <typename T, typename TB>
 void gemm_unpacked(T* C, int64_t ldc, Operand<T> A, const TB* B, int64_t ldb, int64_t M, int64_t N, int64_t K,
                    T alpha, Write write) {
   gemm_detail::gemm_rows(C, ldc, A.data, A.rs, A.cs, B, ldb, M, N, K, alpha, write == Write::accumulate);
+}
+
+// The sums of the lanes of v[0], ..., v[W - 1] (W = Vec<T>::width) as one vector, lane u holding v[u]'s: a
+// transposing reduction, log2(W) levels of pairwise merges (two shuffles and an add each, W - 1 merges in all)
+// instead of W horizontal sums. At the level of `Half`, lane l of a merge holds, in its block of 2 * Half lanes, the
+// sum of two lanes Half apart: of the first vector in the block's first half, of the second in its second half.
+namespace gemm_detail {
+template <typename T, int Half, int... L>
+constexpr auto merge_mask(std::integer_sequence<int, L...>, bool upper) {
+  using I = std::conditional_t<sizeof(T) == 4, int32_t, int64_t>;
+  typedef I Mask __attribute__((vector_size(kVecBytes)));
+  constexpr int W = Vec<T>::width;
+  return Mask{((L % (2 * Half) < Half ? L : W + L - Half) + (upper ? Half : 0))...};
+}
+template <typename T, int Half = 1>
+inline typename Vec<T>::type lane_sums(typename Vec<T>::type* v) {
+  constexpr int W = Vec<T>::width;
+  if constexpr (Half == W) {
+    return v[0];
+  } else {
+    constexpr auto lanes = std::make_integer_sequence<int, W>();
+    constexpr auto lo = merge_mask<T, Half>(lanes, false), hi = merge_mask<T, Half>(lanes, true);
+    for (int i = 0; i < W / (2 * Half); ++i)
+      v[i] = __builtin_shuffle(v[2 * i], v[2 * i + 1], lo) + __builtin_shuffle(v[2 * i], v[2 * i + 1], hi);
+    return lane_sums<T, 2 * Half>(v);
+  }
+}
+}  // namespace gemm_detail
+
+// C (M, N) = alpha A Bt^T, A (M, K) and Bt (N, K) row-major (row strides lda, ldbt; C's ldc), Bt of T or of a
+// half-precision type whose compute type is T (read into T), read where it lies: for the few rows of a decoding
+// step's queries against a block of keys, whose transposed copy (PackedB) would cost as much as the products
+// (one layer's decoding step of a 125M Llama over 2,048 keys: the packing took 31% of the attention). W rows of Bt
+// at a time, W = one vector's width: each row of A multiplied into one vector per row of Bt along k, then the W
+// vectors' lanes summed together (lane_sums). Each element is summed in a fixed order.
+template <typename T, typename TB>
+void gemm_nt_rows(T* C, int64_t ldc, const T* A, int64_t lda, const TB* Bt, int64_t ldbt, int64_t M, int64_t N,
+                  int64_t K, T alpha) {
+  using namespace gemm_detail;
+  using V = typename Vec<T>::type;
+  constexpr int W = Vec<T>::width;
+  const int64_t Kv = K / W * W;
+  int64_t j = 0;
+  for (; j + W <= N; j += W) {
+    const TB* b = Bt + j * ldbt;
+    for (int64_t i = 0; i < M; ++i) {
+      const T* a = A + i * lda;
+      V acc[W] = {};
+      for (int64_t k = 0; k < Kv; k += W) {
+        V x;
+        std::memcpy(&x, a + k, sizeof(V));
+        for (int u = 0; u < W; ++u) acc[u] += x * load_vector<T>(b + u * ldbt + k);
+      }
+      V sums = lane_sums<T>(acc);
+      for (int64_t k = Kv; k < K; ++k)  // (k beyond the last whole vector)
+        for (int u = 0; u < W; ++u) sums[u] += a[k] * load(b[u * ldbt + k]);
+      sums *= alpha;
+      std::memcpy(C + i * ldc + j, &sums, sizeof(V));
+    }
+  }
+  for (; j < N; ++j)  // the last N % W rows of Bt
+    for (int64_t i = 0; i < M; ++i) {
+      T sum = 0;
+      for (int64_t k = 0; k < K; ++k) sum += A[i * lda + k] * load(Bt[j * ldbt + k]);
+      C[i * ldc + j] = alpha * sum;
+    }
 }
 
 // a (rows, cols) contiguous -> a^T (cols, rows) contiguous, for a weight whose transpose a product wants as its B.
