@@ -235,7 +235,7 @@ def test_masked_keys_get_exactly_zero_weight(rng, dtype):
                                   dict(enable_gqa=True, scale=0.3)], ids=str)
 def test_plain_call_skips_the_general_checks_with_the_same_result(rng, monkeypatch, dtype, case):
     # The commonest call (4-D arrays, no option beyond is_causal, scale, enable_gqa and causal_alignment) goes
-    # straight to the core (functional._plain_params); the same call through the general path (an unbounded
+    # straight to the core (_core.sdpa_forward_plain); the same call through the general path (an unbounded
     # window, which changes nothing, sends it there) gives the same bits.
     Hk = 2 if case.get("enable_gqa") else 6
     q = rng.standard_normal((2, 6, 9, 8)).astype(dtype)

@@ -7,7 +7,10 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <algorithm>
+#include <cmath>
 #include <cstdlib>
+#include <limits>
 #include <string>
 
 #include "arrays.hpp"
@@ -403,6 +406,56 @@ py::array empty(const std::vector<py::ssize_t>& shape, const py::dtype& dtype) {
   return py::array(dtype, shape, data, owner);
 }
 
+// sdpa_forward of the commonest call, its checks and allocations in one step (functional.py's plain path): a
+// decoding step calls the attention once per layer per token, its Python code gone cold from the caches in
+// between; in a transformers model's decoding, the Python path's checks and allocations took ~60 us of attnpp's
+// ~200 us attention call. The call: query (N, Hq, L, D), key (N, Hk, S, D), value (N, Hk, S, Dv) ndarrays (not
+// subclasses) of one dtype of the four, their rows contiguous; Hk = Hq, or a divisor of it with enable_gqa;
+// dropout_p 0 (a float or an int); is_causal and enable_gqa bools; scale None (1 / sqrt(D)) or a float;
+// causal_alignment "top_left" or "bottom_right". Returns (out, logsumexp), out from the pool; None for any other
+// call, which takes functional.py's general path (and its errors).
+py::object sdpa_forward_plain(const py::object& query, const py::object& key, const py::object& value,
+                              const py::object& dropout_p, const py::object& is_causal, const py::object& scale,
+                              const py::object& enable_gqa, const py::object& causal_alignment,
+                              Bfloat16Numerics bfloat16_numerics) {
+  PyTypeObject* ndarray = py::detail::npy_api::get().PyArray_Type_;
+  for (const py::object* x : {&query, &key, &value})
+    if (Py_TYPE(x->ptr()) != ndarray) return py::none();
+  const auto q = py::reinterpret_borrow<py::array>(query), k = py::reinterpret_borrow<py::array>(key);
+  const auto v = py::reinterpret_borrow<py::array>(value);
+  const py::dtype dtype = q.dtype();
+  if (q.ndim() != 4 || k.ndim() != 4 || v.ndim() != 4 || !k.dtype().equal(dtype) || !v.dtype().equal(dtype))
+    return py::none();
+  const bool half = dtype.equal(dtype_of<float16>()) || dtype.equal(dtype_of<bfloat16>());
+  if (!half && !dtype.equal(dtype_of<float>()) && !dtype.equal(dtype_of<double>())) return py::none();
+  const int64_t N = q.shape(0), Hq = q.shape(1), L = q.shape(2), D = q.shape(3);
+  const int64_t Hk = v.shape(1), S = v.shape(2), Dv = v.shape(3);
+  const bool gqa = enable_gqa.ptr() == Py_True;
+  if (k.shape(0) != N || k.shape(1) != Hk || k.shape(2) != S || k.shape(3) != D || v.shape(0) != N ||
+      !(Hk == Hq || (gqa && Hk > 0 && Hq % Hk == 0)))
+    return py::none();
+  if (!(PyFloat_CheckExact(dropout_p.ptr()) || PyLong_CheckExact(dropout_p.ptr())) ||
+      PyObject_IsTrue(dropout_p.ptr()) != 0 || !PyBool_Check(is_causal.ptr()) || !PyBool_Check(enable_gqa.ptr()) ||
+      !(scale.is_none() || PyFloat_CheckExact(scale.ptr())) || !PyUnicode_CheckExact(causal_alignment.ptr()))
+    return py::none();
+  const std::string alignment = causal_alignment.cast<std::string>();
+  if (alignment != "top_left" && alignment != "bottom_right") return py::none();
+  for (const py::array* x : {&q, &k, &v})
+    if (x->shape(3) > 1 && x->strides(3) != x->itemsize()) return py::none();
+  // (more elements than any array holds: the general path raises numpy's MemoryError)
+  const __int128 elements = __int128(N) * Hq * std::max(L, S) * std::max({L, S, D, Dv, int64_t(1)});
+  if (elements > std::numeric_limits<py::ssize_t>::max() / 8) return py::none();
+  AttentionParams params;
+  params.scale = D == 0 ? 1.0 : scale.is_none() ? 1.0 / std::sqrt(double(D)) : scale.cast<double>();
+  if (is_causal.ptr() == Py_True)
+    params.causal = alignment == "top_left" ? Causal::top_left : Causal::bottom_right;
+  params.bfloat16_numerics = bfloat16_numerics;
+  py::array out = empty({N, Hq, L, Dv}, dtype);
+  py::array logsumexp(half ? dtype_of<float>() : dtype, std::vector<py::ssize_t>{N, Hq, L});
+  sdpa_forward(out, logsumexp, q, k, v, params);
+  return py::make_tuple(out, logsumexp);
+}
+
 void set_num_threads(int64_t n) {
   if (n < 1 || n > kMaxThreads)
     throw py::value_error("set_num_threads: n must be in [1, " + std::to_string(kMaxThreads) + "], got " +
@@ -499,6 +552,13 @@ PYBIND11_MODULE(_core, m) {
         "S, D), value (N, Hk, S, Dv), all of one dtype (query and out may be float32 with half-precision key and "
         "value; logsumexp in the compute dtype), last dimensions contiguous.",
         py::arg("out"), py::arg("logsumexp"), py::arg("query"), py::arg("key"), py::arg("value"), py::arg("params"));
+  m.def("sdpa_forward_plain", &sdpa_forward_plain,
+        "sdpa_forward of the commonest call in one step: (out, logsumexp) of query (N, Hq, L, D), key (N, Hk, S, D), "
+        "value (N, Hk, S, Dv) ndarrays of one dtype with contiguous rows, Hk = Hq or a divisor of it with "
+        "enable_gqa, dropout_p 0, is_causal and enable_gqa bools, scale None or a float, causal_alignment "
+        "'top_left' or 'bottom_right'; None for any other call.",
+        py::arg("query"), py::arg("key"), py::arg("value"), py::arg("dropout_p"), py::arg("is_causal"),
+        py::arg("scale"), py::arg("enable_gqa"), py::arg("causal_alignment"), py::arg("bfloat16_numerics"));
   m.def("sdpa_backward", &sdpa_backward,
         "Attention backward: adds the gradients into grad_query (N, Hq, L, D), grad_key (N, Hk, S, D), grad_value "
         "(N, Hk, S, Dv) and grad_sinks (Hq,) or None, from grad_output and out (N, Hq, L, Dv), logsumexp (N, Hq, L) "

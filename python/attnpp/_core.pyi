@@ -102,6 +102,22 @@ def sdpa_forward(
     """Attention forward into out (N, Hq, L, Dv) and logsumexp (N, Hq, L), of query (N, Hq, L, D), key (N, Hk, S, D),
     value (N, Hk, S, Dv)."""
 
+def sdpa_forward_plain(
+    query: Any,
+    key: Any,
+    value: Any,
+    dropout_p: Any,
+    is_causal: Any,
+    scale: Any,
+    enable_gqa: Any,
+    causal_alignment: Any,
+    bfloat16_numerics: Bfloat16Numerics,
+) -> Optional[tuple]:
+    """sdpa_forward of the commonest call in one step: (out, logsumexp) of query (N, Hq, L, D), key (N, Hk, S, D),
+    value (N, Hk, S, Dv) ndarrays of one dtype with contiguous rows, Hk = Hq or a divisor of it with enable_gqa,
+    dropout_p 0, is_causal and enable_gqa bools, scale None or a float, causal_alignment 'top_left' or
+    'bottom_right'; None for any other call."""
+
 def sdpa_backward(
     grad_query: _FloatArray,
     grad_key: _FloatArray,

@@ -284,45 +284,16 @@ class _Problem:
         return np.ascontiguousarray(g.reshape(x.shape), dtype=x.dtype)
 
 
-def _plain_params(query, key, value, dropout_p, is_causal, scale, enable_gqa, causal_alignment):
-    """The core's parameters of the commonest call, without _Problem: (N, Hq, L, D), (N, Hk, S, D) and (N, Hk, S,
-    Dv) ndarrays of one dtype with contiguous rows, Hk = Hq or a divisor of it under enable_gqa, no dropout, no
-    option beyond is_causal, scale and causal_alignment; the arrays go to the core as they are. None for any other
-    call, which takes _Problem's path (and its errors): no call that path would refuse. A decoding step calls the
-    attention once per layer per token, its Python code gone cold from the caches in between: in a transformers
-    model's decoding, the Python around the kernel took ~110 us of attnpp's attention call (the kernel 110 to 210
-    us, with the state of the caches), ~75 us on this path."""
-    if type(query) is not np.ndarray or type(key) is not np.ndarray or type(value) is not np.ndarray:
-        return None
-    dtype = query.dtype
-    if query.ndim != 4 or key.ndim != 4 or value.ndim != 4 or key.dtype != dtype or value.dtype != dtype \
-            or dtype not in FLOATS:
-        return None
-    (N, Hq, L, D), (_, Hk, S, Dv) = query.shape, value.shape
-    if key.shape != (N, Hk, S, D) or value.shape[0] != N or not (
-            Hk == Hq or (enable_gqa is True and Hk > 0 and Hq % Hk == 0)):
-        return None
-    if type(dropout_p) not in (float, int) or dropout_p != 0 or type(is_causal) is not bool \
-            or type(enable_gqa) is not bool or (scale is not None and type(scale) is not float) \
-            or type(causal_alignment) is not str or causal_alignment not in _CAUSAL:
-        return None
-    for x in (query, key, value):
-        if x.shape[-1] > 1 and x.strides[-1] != x.itemsize:
-            return None
-    if N * Hq * max(L, S) * max(L, S, D, Dv, 1) > MAX_ELEMENTS:
-        return None
-    return attention_params((N,), Hq, dtype, scale=score_scale(scale, D),
-                            causal=causal_mode(is_causal, causal_alignment))
-
-
-def _forward(q4, k4, v4, params):
-    """The core's forward of (N, Hq, L, D), (N, Hk, S, D), (N, Hk, S, Dv) arrays: (output (N, Hq, L, Dv),
-    logsumexp (N, Hq, L) in the compute dtype)."""
-    (N, Hq, L, _), Dv = q4.shape, v4.shape[3]
-    out = _empty((N, Hq, L, Dv), q4.dtype)
-    lse = np.empty((N, Hq, L), compute_dtype(q4.dtype))
-    _core.sdpa_forward(out, lse, q4, k4, v4, params)
-    return out, lse
+def _plain_forward(query, key, value, dropout_p, is_causal, scale, enable_gqa, causal_alignment):
+    """(output, logsumexp) of the commonest call, without _Problem: (N, Hq, L, D), (N, Hk, S, D) and (N, Hk, S, Dv)
+    ndarrays of one dtype with contiguous rows, Hk = Hq or a divisor of it under enable_gqa, no dropout, no option
+    beyond is_causal, scale and causal_alignment, checked, allocated and run in one call of the core
+    (``_core.sdpa_forward_plain``). None for any other call, which takes _Problem's path (and its errors): no call
+    that path would refuse. A decoding step calls the attention once per layer per token, its Python code gone cold
+    from the caches in between: in a transformers model's decoding, _Problem's path spent ~110 us of Python around
+    a kernel of 110 to 210 us, Python's checks of this call ~60 us, the core's a few."""
+    return _core.sdpa_forward_plain(query, key, value, dropout_p, is_causal, scale, enable_gqa, causal_alignment,
+                                    _BFLOAT16_NUMERICS)
 
 
 class AttentionForward(NamedTuple):
@@ -368,13 +339,15 @@ def scaled_dot_product_attention_forward(query, key, value, attn_mask=None, drop
     """
     if attn_mask is None and seed is None and window is None and alibi_slopes is None and softcap is None \
             and sinks is None and key_padding_mask is None:
-        params = _plain_params(query, key, value, dropout_p, is_causal, scale, enable_gqa, causal_alignment)
-        if params is not None:
-            return AttentionForward(*_forward(query, key, value, params), None)
+        plain = _plain_forward(query, key, value, dropout_p, is_causal, scale, enable_gqa, causal_alignment)
+        if plain is not None:
+            return AttentionForward(*plain, None)
     p = _Problem(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, seed, causal_alignment,
                  window=window, alibi_slopes=alibi_slopes, softcap=softcap, sinks=sinks,
                  key_padding_mask=key_padding_mask)
-    out, lse = _forward(p.q4, p.k4, p.v4, p.params)
+    out = _empty((p.N, p.Hq, p.L, p.Dv), p.dtype)
+    lse = np.empty((p.N, p.Hq, p.L), compute_dtype(p.dtype))
+    _core.sdpa_forward(out, lse, p.q4, p.k4, p.v4, p.params)
     return AttentionForward(out.reshape(p.out_shape(p.L, p.Dv)), lse.reshape(p.out_shape(p.L)),
                             p.seed if p.params.dropout_p > 0 else None)
 
