@@ -1,6 +1,6 @@
 """attnpp's fused linear + cross-entropy against PyTorch's cross_entropy(linear(...)): the loss and the gradients
 of input, weight and bias, for every reduction, ignored targets, label smoothing, one row, rows spanning several
-chunks (V = 50,257: a chunk holds 166 float32 rows, 83 float64 ones), one class; through attnpp.functional (the
+chunks (V = 50,257: a chunk holds 256 float32 rows, 128 float64 ones), one class; through attnpp.functional (the
 gradients computed in the forward, and recomputed in the backward), attnpp.nn and attnpp.torch.
 
 The reference is PyTorch in float64 for both dtypes (float64: <= 1e-10, float32: <= 2e-5, relative to
