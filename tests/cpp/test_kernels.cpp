@@ -16,6 +16,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "gemm.hpp"
 #include "kernels.hpp"
 
 using namespace attnpp;
@@ -475,6 +476,39 @@ void test_round_bfloat16() {
              wrong == 0);
 }
 
+// gemm_nt_rows (the scores of a decoding step's few query rows against a block of keys read in place: C = alpha
+// A Bt^T) against dot products in double: row counts up to kFewRows, key counts and widths below, at and past a
+// vector's width (lane_sums' whole groups of keys and the tails of both), row strides past the widths, keys of T or
+// of a half-precision type read into float. The columns of C past N stay untouched.
+template <typename T, typename TB>
+void test_gemm_nt_rows() {
+  constexpr int64_t W = ATTNPP_CPU_NS::gemm_detail::Vec<T>::width;
+  std::vector<T> got;
+  std::vector<double> ref;
+  bool untouched = true;
+  for (const int64_t M : {int64_t(1), int64_t(3), int64_t(16)})
+    for (const int64_t N : {int64_t(1), W - 1, W, 2 * W + 3})
+      for (const int64_t K : {int64_t(1), W - 1, W, 4 * W + 5}) {
+        const int64_t lda = K + 3, ldb = K + 5, ldc = N + 2;
+        const auto a = uniform<T>(size_t(M * lda), uint64_t(M * 1000 + N * 10 + K));
+        const auto b = uniform<TB>(size_t(N * ldb), uint64_t(M * 1000 + N * 10 + K + 7));
+        std::vector<T> c(size_t(M * ldc), T(7));
+        ATTNPP_CPU_NS::gemm_nt_rows(c.data(), ldc, a.data(), lda, b.data(), ldb, M, N, K, T(0.5));
+        for (int64_t i = 0; i < M; ++i) {
+          for (int64_t j = 0; j < N; ++j) {
+            double dot = 0;
+            for (int64_t k = 0; k < K; ++k) dot += dbl(a[i * lda + k]) * dbl(b[j * ldb + k]);
+            got.push_back(c[i * ldc + j]);
+            ref.push_back(0.5 * dot);
+          }
+          untouched = untouched && c[i * ldc + N] == T(7) && c[i * ldc + N + 1] == T(7);
+        }
+      }
+  const std::string tag = std::string("gemm_nt_rows ") + dtype_name<T>() + " x " + dtype_name<TB>() + " keys";
+  check(tag, got, ref);
+  check_true(tag + ": columns past N untouched", untouched);
+}
+
 int main() {
   std::printf("attnpp kernels of level %s, %d OpenMP threads available\n", STR(ATTNPP_CPU_NS), omp_get_max_threads());
   test_all<float>();
@@ -482,6 +516,10 @@ int main() {
   test_all<bfloat16>();
   test_all<float16>();
   test_round_bfloat16();
+  test_gemm_nt_rows<float, float>();
+  test_gemm_nt_rows<double, double>();
+  test_gemm_nt_rows<float, bfloat16>();
+  test_gemm_nt_rows<float, float16>();
   std::printf("%d passed, %d failed\n", passed, failed);
   return failed ? 1 : 0;
 }
