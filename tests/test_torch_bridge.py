@@ -216,6 +216,40 @@ def test_non_cpu_tensors_refused(device):
         at.Attention(4, 2)(x)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("grad_mode", ["no_grad", "no_input_requires_grad"])
+def test_sdpa_plain_call_without_gradients_skips_autograd_with_the_same_result(monkeypatch, dtype, grad_mode):
+    # With nothing to differentiate (inference, a decoding step), the commonest call goes straight to the core
+    # (attnpp.torch._plain_attention); the same call through the general path (an unbounded window, which changes
+    # nothing, sends it there) gives the same bits. _attention patched to fail: the test fails if the plain path
+    # is not taken.
+    torch.manual_seed(0)
+    q = torch.randn(2, 6, 3, 8, dtype=dtype, requires_grad=grad_mode == "no_grad")
+    k, v = (torch.randn(2, 2, 13, 8, dtype=dtype) for _ in range(2))
+    kw = dict(is_causal=True, causal_alignment="bottom_right", enable_gqa=True, scale=0.3)
+
+    def refused(*args, **kwargs):
+        raise AssertionError("the plain call took the general path")
+    with torch.no_grad() if grad_mode == "no_grad" else torch.enable_grad():
+        general = at.scaled_dot_product_attention(q, k, v, window=(-1, -1), **kw)
+        with monkeypatch.context() as m:
+            m.setattr(at, "_attention", refused)
+            plain = at.scaled_dot_product_attention(q, k, v, **kw)
+    assert plain.dtype == dtype and plain.shape == general.shape and not plain.requires_grad
+    assert torch.equal(plain, general)
+
+
+@pytest.mark.parametrize("make, error, match", [
+    (lambda: torch.ones(1, 2, 3, 4, dtype=torch.int64), TypeError, "query"),
+    (lambda: torch.empty(1, 2, 3, 4, device="meta"), ValueError, CPU_ONLY),
+    (lambda: torch.ones(1, 2, 3, 4).numpy(), TypeError, "query")], ids=["int64", "meta", "ndarray"])
+def test_sdpa_plain_call_errors_as_the_general_path(make, error, match):
+    # What the plain path does not take falls to the general path, whose checks name the argument.
+    x = make()
+    with torch.no_grad(), pytest.raises(error, match=match):
+        at.scaled_dot_product_attention(x, x, x)
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_half_precision(dtype):
     """Half-precision tensors are read in place (no copy), and attnpp's output and gradients are no further from
