@@ -10,7 +10,7 @@ from typing import NamedTuple, Optional
 import numpy as np
 
 from . import _core
-from ._checks import (FLOATS, HALVES, MAX_ELEMENTS, as_ndarray, broadcast_shape, check_alibi_slopes, check_array,
+from ._checks import (HALVES, MAX_ELEMENTS, as_ndarray, broadcast_shape, check_alibi_slopes, check_array,
                       check_bool, check_choice, check_cumulative, check_dtype, check_ignore_index, check_index,
                       check_int, check_label_smoothing, check_loss_grad, check_probability, check_reduction,
                       check_scale, check_seed, check_sinks, check_softcap, check_window, compute_dtype, is_real)
