@@ -446,6 +446,7 @@ py::object sdpa_forward_plain(const py::object& query, const py::object& key, co
   const __int128 elements = __int128(N) * Hq * std::max(L, S) * std::max({L, S, D, Dv, int64_t(1)});
   if (elements > std::numeric_limits<py::ssize_t>::max() / 8) return py::none();
   AttentionParams params;
+  // (functional.score_scale's rule, which the general path applies: 1 when D = 0, where every q k^T is 0)
   params.scale = D == 0 ? 1.0 : scale.is_none() ? 1.0 / std::sqrt(double(D)) : scale.cast<double>();
   if (is_causal.ptr() == Py_True)
     params.causal = alignment == "top_left" ? Causal::top_left : Causal::bottom_right;
