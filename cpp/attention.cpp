@@ -61,8 +61,8 @@ void add_rows(const View4<T>& a, int64_t n, int64_t h, int64_t r0, const compute
 
 // scores (R, cols) = the scores of the rows of `b` against keys [j0, j0 + cols) of sequence `vis`:
 // scale * q_blk k_blk^T (products P: attention_products.hpp), soft-capped, plus the masks and the ALiBi bias,
-// -inf outside each row's visible keys; q_blk (R, D), kt = k_blk^T (D, >= cols) packed, or (`keys`, a few rows
-// under P::kKeysInPlace) k_blk's rows read where they lie, keys[c * keys_ld..]. With a soft cap and `dcap`, also
+// -inf outside each row's visible keys; q_blk (R, D), kt = k_blk^T (D, >= cols) packed, or (`keys`, at most
+// kFewRows rows) k_blk's rows read where they lie, keys[c * keys_ld..]. With a soft cap and `dcap`, also
 // dcap (R, cols) = 1 - tanh^2, the cap's derivative. Returns false when every score is -inf.
 // kt_col0: the block's first column in kt (a multiple of the panel width).
 template <typename P, typename T>
@@ -73,10 +73,10 @@ bool score_block(RowMat<compute_t<T>>& scores, RowMat<compute_t<T>>* dcap, typen
   using C = compute_t<T>;
   const int64_t R = b.count();
   scores.resize(R, cols);
-  if constexpr (P::kKeysInPlace) {
-    if (keys) P::product_in_place(scores.data(), cols, q_blk, keys, keys_ld, R, cols, cfg.D, cfg.scale);
-  }
-  if (!keys) P::product(scores.data(), cols, q_blk, kt, R, cols, cfg.D, cfg.scale, Write::assign, 0, kt_col0);
+  if (keys)
+    P::product_in_place(scores.data(), cols, q_blk, keys, keys_ld, R, cols, cfg.D, cfg.scale);
+  else
+    P::product(scores.data(), cols, q_blk, kt, R, cols, cfg.D, cfg.scale, Write::assign, 0, kt_col0);
   if (cfg.softcap > 0) {  // s = softcap * tanh(s / softcap)
     scores.array() = (scores.array() / cfg.softcap).tanh();
     if (dcap) dcap->array() = C(1) - scores.array().square();
@@ -228,7 +228,7 @@ void forward(const View4<Q>& out, compute_t<T>* logsumexp, const View4<const Q>&
         const int64_t span0 = vis.first_key(i0), span1 = std::min(vis.S, vis.last_key(i0 + b.rows - 1) + 1);
         const bool shared = windowed && span1 > span0 && (span1 - span0) * (cfg.D + cfg.Dv) <= kSharedPack;
         // a few rows (a decoding step's) read the keys in place, as they do the values (attention_products.hpp)
-        const bool keys_in_place = P::kKeysInPlace && !shared && R <= kFewRows;
+        const bool keys_in_place = !shared && R <= kFewRows;
         if (shared) {
           P::pack(kt, k, n, hk, vis.k0 + span0, span1 - span0, cfg.D, true);
           W::pack(vb, v, n, hk, vis.k0 + span0, span1 - span0, cfg.Dv, false);

@@ -99,7 +99,6 @@ struct BlockProducts {
   }
   // c (M, N) = alpha a k^T, k (N, K) rows of T with row stride ldk, read where they lie: for at most kFewRows rows
   // of a (gemm_nt_rows).
-  static constexpr bool kKeysInPlace = true;
   static void product_in_place(C* c, int64_t ldc, Rows a, const T* k, int64_t ldk, int64_t M, int64_t N, int64_t K,
                                C alpha) {
     gemm_nt_rows(c, ldc, a.data, a.ld, k, ldk, M, N, K, alpha);
@@ -153,7 +152,6 @@ struct PairProducts {
   // the rows of a read into float first): the products of bfloat16 values are exact in float either way. A decoding
   // step (8, 32 heads, 1, 128) over 4096 keys with its keys packed as pairs was 1.54 times as fast as the float32
   // step of the same run; read in place, 1.75 to 2.35 times (four runs).
-  static constexpr bool kKeysInPlace = true;
   static void product_in_place(C* c, int64_t ldc, Rows a, const T* k, int64_t ldk, int64_t M, int64_t N, int64_t K,
                                C alpha) {
     thread_local std::vector<C> rows;

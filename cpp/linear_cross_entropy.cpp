@@ -77,7 +77,8 @@ void fused(C* losses, C* logsumexp, C* dx, C* dw, C* db, const C* row_weight, co
   const int64_t blocks = ceil_div(V, kStatRows);
   // per (block, row): m_b, sum_b, and the block's sum of logits (label smoothing); per row: its figures
   const std::size_t cells = std::size_t(blocks * rows), row_count = std::size_t(rows);
-  std::vector<C> block_max(cells), weight(row_count), z_target(row_count), row_max(row_count), lse(row_count);
+  std::vector<C> block_max(cells), weight(row_count), offset(row_count), z_target(row_count), row_max(row_count),
+      lse(row_count);
   std::vector<double> block_sum(cells), block_zsum(eps > 0 ? cells : 0), sum(row_count);
   for (int64_t r0 = 0; r0 < N; r0 += rows) {
     const int64_t R = std::min(rows, N - r0), ld = ceil_div(R, W) * W;
@@ -86,6 +87,7 @@ void fused(C* losses, C* logsumexp, C* dx, C* dw, C* db, const C* row_weight, co
       const bool ignored = r >= R || target[r0 + r] == ignore_index;
       weight[r] = row_weight && !ignored ? row_weight[r0 + r] : C(0);
       z_target[r] = C(0);
+      offset[r] = weight[r] * smooth;  // (dz's smoothing term, the same in every block)
     }
     gemm_parallel(zt.get(), ld, row_major(w, E), transposed(xc, E), V, R, E, C(1), Write::assign);  // zt = w x^T
     // (1) per block: the bias, each row's target logit, max m_b, sum_b and sum of logits (terms kept for dz)
@@ -144,13 +146,11 @@ void fused(C* losses, C* logsumexp, C* dx, C* dw, C* db, const C* row_weight, co
     // exp(m_b - m) / sum   <- loss_i = -sum_j q_j log softmax(z)_j; and db += its sums over the rows
     parallel_for(blocks, V * ld * 4, [&](int64_t bl) {
       const int64_t v0 = bl * kStatRows, v1 = std::min(V, v0 + kStatRows);
-      thread_local std::vector<C> factor, offset;
-      factor.resize(std::size_t(ld)), offset.resize(std::size_t(ld));
-      for (int64_t r = 0; r < ld; ++r) {
-        const bool on = weight[r] != C(0);
-        factor[r] = on ? C(weight[r] * std::exp(double(block_max[bl * ld + r] - row_max[r])) / sum[r]) : C(0);
-        offset[r] = weight[r] * smooth;
-      }
+      thread_local std::vector<C> factor;
+      factor.resize(std::size_t(ld));
+      for (int64_t r = 0; r < ld; ++r)
+        factor[r] = weight[r] != C(0) ? C(weight[r] * std::exp(double(block_max[bl * ld + r] - row_max[r])) / sum[r])
+                                      : C(0);
       for (int64_t v = v0; v < v1; ++v) {
         C* z = zt.get() + v * ld;
         for (int64_t r = 0; r < ld; ++r) z[r] = weight[r] != C(0) ? z[r] * factor[r] - offset[r] : C(0);
