@@ -104,9 +104,15 @@ inline void tile_rows(int m, T* C, int64_t ldc, const T* A, int64_t ars, int64_t
 template <typename T, int NV, typename TB>
 inline void panel(T* C, int64_t ldc, const T* A, int64_t ars, int64_t acs, const TB* B, int64_t ldb, int64_t M,
                   int64_t K, T alpha, bool accumulate) {
-  for (int64_t i = 0; i < M; i += kMR)
+  for (int64_t i = 0; i < M; i += kMR) {
+    // the next tile's rows of C, requested now so that they arrive while this tile computes: a projection's output
+    // (the fused loss's 154 MB weight gradient, added into block by block) is in memory, not in cache, and its rows
+    // are too far apart for the hardware's prefetchers
+    for (int64_t r = i + kMR; r < std::min(M, i + 2 * kMR); ++r)
+      for (int v = 0; v < NV; ++v) __builtin_prefetch(C + r * ldc + v * Vec<T>::width, 1);
     tile_rows<T, NV>(static_cast<int>(std::min<int64_t>(kMR, M - i)), C + i * ldc, ldc, A + i * ars, ars, acs, B,
                      ldb, K, alpha, accumulate);
+  }
 }
 
 // Runtime vector count nv in [1, NV] -> panel<T, nv>.
@@ -189,6 +195,14 @@ struct PackedB {
       data.reset();
       data.reset(static_cast<T*>(pool_acquire(sizeof(T) * std::size_t(capacity = K * N))));
     }
+  }
+  // Rows [k0, k1) of every panel, from B with contiguous rows (element (k, j) at B[k * brs + j]): reads B in its
+  // memory order, which the hardware prefetches (a panel at a time reads a strip of each row: from memory, one
+  // stall per row).
+  template <typename S>
+  void pack_rows(const S* B, int64_t brs, int64_t k0, int64_t k1) {
+    for (int64_t k = k0; k < k1; ++k)
+      for (int64_t j = 0; j < N; j += kPanel) load_n(data.get() + j * K + k * width(j), B + k * brs + j, width(j));
   }
   // The panel of columns [j0, j0 + width(j0)).
   template <typename S>
@@ -394,7 +408,14 @@ void gemm_parallel(T* C, int64_t ldc, Operand<T> A, Operand<T> B, int64_t M, int
   PackedB<T> b;
   if (packed) {
     b.resize(K, N);
-    parallel_for(ceil_div(N, b.kPanel), K * N, [&](int64_t p) { b.pack_panel(B.data, B.rs, B.cs, p * b.kPanel); });
+    if (B.cs == 1) {  // rows contiguous: packed in its memory order, a block of rows per task
+      constexpr int64_t kPackRows = 64;
+      parallel_for(ceil_div(K, kPackRows), K * N, [&](int64_t t) {
+        b.pack_rows(B.data, B.rs, t * kPackRows, std::min(K, (t + 1) * kPackRows));
+      });
+    } else {
+      parallel_for(ceil_div(N, b.kPanel), K * N, [&](int64_t p) { b.pack_panel(B.data, B.rs, B.cs, p * b.kPanel); });
+    }
   }
   const int64_t m_blocks = ceil_div(M, kMC), n_blocks = ceil_div(N, kNC);
   const int64_t k_slices = std::max<int64_t>(1, ceil_div(K, kKC));  // one (empty) slice when K = 0 zeroes C
