@@ -1170,7 +1170,7 @@ def linear_cross_entropy(input, weight, target, bias=None, *, ignore_index=-100,
     """``cross_entropy(linear(input, weight, bias), target)`` fused, as ``torch.nn.functional.cross_entropy``
     of ``torch.nn.functional.linear``'s logits, without ever holding the (N, V) logits.
 
-    The rows go through in chunks whose logits (rows x V, at most 32 MiB) are computed once: each chunk's
+    The rows go through in chunks whose logits (rows x V, at most 50 MiB) are computed once: each chunk's
     log-sum-exp (its sum of exponentials in double), its losses and, for the gradients, the logits' gradient in
     place, which feeds the products of input's and weight's gradients; three matrix products in all, as the
     unfused pair's. Memory beyond the inputs and the gradients: one chunk, whatever N and V (the unfused pair
