@@ -395,11 +395,12 @@ void dot_products(T* C, const T* A, int64_t lda, const T* Bt, int64_t ldbt, int6
 
 // The same product for large operands (the projections), B (K, N) an Operand too (element (k, j) at
 // B.data[k * B.rs + j * B.cs]):
-// B packed once (in parallel, panel by panel) unless its rows are contiguous and C has a single block of rows
-// (then each row of B is read by a few tiles only, and the copy would cost more than it saves: the 30 x 50,257
-// logits' gradient of article 001's training), then C cut into blocks of (kMC, kNC) elements, run in parallel,
-// each walking k in slices of kKC so that its slice of A and of B stays in cache. Every element of C is written
-// by one thread, which sums over k in order: the result does not depend on the thread count.
+// B packed once (in parallel: by blocks of rows when its rows are contiguous, else panel by panel) unless its rows
+// are contiguous and C has a single block of rows (then each row of B is read by a few tiles only, and the copy
+// would cost more than it saves: the 30 x 50,257 logits' gradient of article 001's training), then C cut into
+// blocks of (kMC, kNC) elements, run in parallel, each walking k in slices of kKC so that its slice of A and of B
+// stays in cache. Every element of C is written by one thread, which sums over k in order: the result does not
+// depend on the thread count.
 template <typename T>
 void gemm_parallel(T* C, int64_t ldc, Operand<T> A, Operand<T> B, int64_t M, int64_t N, int64_t K, T alpha,
                    Write write) {
