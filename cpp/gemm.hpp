@@ -100,6 +100,9 @@ inline void tile_rows(int m, T* C, int64_t ldc, const T* A, int64_t ars, int64_t
   }
 }
 
+// The shortest k for which panel requests the next tile's rows of C ahead.
+constexpr int64_t kPrefetchDepth = 32;
+
 // Columns [j0, j0 + NV * width) of all M rows.
 template <typename T, int NV, typename TB>
 inline void panel(T* C, int64_t ldc, const T* A, int64_t ars, int64_t acs, const TB* B, int64_t ldb, int64_t M,
@@ -107,9 +110,11 @@ inline void panel(T* C, int64_t ldc, const T* A, int64_t ars, int64_t acs, const
   for (int64_t i = 0; i < M; i += kMR) {
     // the next tile's rows of C, requested now so that they arrive while this tile computes: a projection's output
     // (the fused loss's 154 MB weight gradient, added into block by block) is in memory, not in cache, and its rows
-    // are too far apart for the hardware's prefetchers
-    for (int64_t r = i + kMR; r < std::min(M, i + 2 * kMR); ++r)
-      for (int v = 0; v < NV; ++v) __builtin_prefetch(C + r * ldc + v * Vec<T>::width, 1);
+    // are too far apart for the hardware's prefetchers. Not for a short k (article 001's E = 5), whose tile is over
+    // before the lines could arrive and whose output is in cache.
+    if (K >= kPrefetchDepth)
+      for (int64_t r = i + kMR; r < std::min(M, i + 2 * kMR); ++r)
+        for (int v = 0; v < NV; ++v) __builtin_prefetch(C + r * ldc + v * Vec<T>::width, 1);
     tile_rows<T, NV>(static_cast<int>(std::min<int64_t>(kMR, M - i)), C + i * ldc, ldc, A + i * ars, ars, acs, B,
                      ldb, K, alpha, accumulate);
   }
