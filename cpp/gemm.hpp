@@ -188,11 +188,27 @@ struct PackedB {
   int64_t K = 0, N = 0, capacity = 0;
 
   // Packs B (K, N), element (k, j) at B[k * brs + j * bcs] (a transposed view has brs = 1), of T or of a
-  // half-precision type whose compute type is T (converted as it is copied).
+  // half-precision type whose compute type is T (converted as it is copied). B with contiguous rows (bcs = 1) is
+  // read in its memory order, row after row, which the hardware prefetches (a panel at a time reads a strip of each
+  // row: from memory, one stall per row); a transposed view, panel by panel.
   template <typename S>
   void pack(const S* B, int64_t brs, int64_t bcs, int64_t K_, int64_t N_) {
     resize(K_, N_);
-    for (int64_t j = 0; j < N; j += kPanel) pack_panel(B, brs, bcs, j);
+    if (bcs == 1)
+      copy_rows(B, brs, 0, K);
+    else
+      for (int64_t j = 0; j < N; j += kPanel) pack_panel(B, brs, bcs, j);
+  }
+  // The same, the copy shared among the threads: by blocks of rows, or panel by panel.
+  template <typename S>
+  void pack_parallel(const S* B, int64_t brs, int64_t bcs, int64_t K_, int64_t N_) {
+    resize(K_, N_);
+    constexpr int64_t kRows = 64;
+    if (bcs == 1)
+      parallel_for(ceil_div(K, kRows), K * N,
+                   [&](int64_t t) { copy_rows(B, brs, t * kRows, std::min(K, (t + 1) * kRows)); });
+    else
+      parallel_for(ceil_div(N, kPanel), K * N, [&](int64_t p) { pack_panel(B, brs, bcs, p * kPanel); });
   }
   void resize(int64_t K_, int64_t N_) {
     K = K_, N = N_;
@@ -201,15 +217,13 @@ struct PackedB {
       data.reset(static_cast<T*>(pool_acquire(sizeof(T) * std::size_t(capacity = K * N))));
     }
   }
-  // Rows [k0, k1) of every panel, from B with contiguous rows (element (k, j) at B[k * brs + j]): reads B in its
-  // memory order, which the hardware prefetches (a panel at a time reads a strip of each row: from memory, one
-  // stall per row).
+  // Rows [k0, k1) of every panel, from B with contiguous rows (element (k, j) at B[k * brs + j]).
   template <typename S>
-  void pack_rows(const S* B, int64_t brs, int64_t k0, int64_t k1) {
+  void copy_rows(const S* B, int64_t brs, int64_t k0, int64_t k1) {
     for (int64_t k = k0; k < k1; ++k)
       for (int64_t j = 0; j < N; j += kPanel) load_n(data.get() + j * K + k * width(j), B + k * brs + j, width(j));
   }
-  // The panel of columns [j0, j0 + width(j0)).
+  // The panel of columns [j0, j0 + width(j0)) of B with bcs != 1.
   template <typename S>
   void pack_panel(const S* B, int64_t brs, int64_t bcs, int64_t j0) {
     static_assert(std::is_same_v<compute_t<S>, T>);
@@ -217,9 +231,7 @@ struct PackedB {
     T* dst = data.get() + j0 * K;
     const S* src = B + j0 * bcs;
     int64_t k = 0;
-    if (bcs == 1 && w == kPanel) {  // rows of one panel width: copies the compiler makes vector moves of
-      for (; k < K; ++k) load_n(dst + k * kPanel, src + k * brs, kPanel);
-    } else if (brs == 1 && w == kPanel) {  // a transposed view (K^T, V^T): square blocks
+    if (brs == 1 && w == kPanel) {  // a transposed view (K^T, V^T): square blocks
       namespace ei = Eigen::internal;  // of one vector's width transposed in registers by Eigen (ptranspose)
       using P = typename ei::packet_traits<T>::type;
       constexpr int W = ei::unpacket_traits<P>::size;
@@ -400,29 +412,18 @@ void dot_products(T* C, const T* A, int64_t lda, const T* Bt, int64_t ldbt, int6
 
 // The same product for large operands (the projections), B (K, N) an Operand too (element (k, j) at
 // B.data[k * B.rs + j * B.cs]):
-// B packed once (in parallel: by blocks of rows when its rows are contiguous, else panel by panel) unless its rows
-// are contiguous and C has a single block of rows (then each row of B is read by a few tiles only, and the copy
-// would cost more than it saves: the 30 x 50,257 logits' gradient of article 001's training), then C cut into
-// blocks of (kMC, kNC) elements, run in parallel, each walking k in slices of kKC so that its slice of A and of B
-// stays in cache. Every element of C is written by one thread, which sums over k in order: the result does not
-// depend on the thread count.
+// B packed once (in parallel: PackedB::pack_parallel) unless its rows are contiguous and C has a single block of
+// rows (then each row of B is read by a few tiles only, and the copy would cost more than it saves: the 30 x 50,257
+// logits' gradient of article 001's training), then C cut into blocks of (kMC, kNC) elements, run in parallel, each
+// walking k in slices of kKC so that its slice of A and of B stays in cache. Every element of C is written by one
+// thread, which sums over k in order: the result does not depend on the thread count.
 template <typename T>
 void gemm_parallel(T* C, int64_t ldc, Operand<T> A, Operand<T> B, int64_t M, int64_t N, int64_t K, T alpha,
                    Write write) {
   constexpr int64_t kMC = 120, kNC = 256, kKC = 256;  // kNC: a multiple of every level's panel width
   const bool packed = B.cs != 1 || M > kMC;
   PackedB<T> b;
-  if (packed) {
-    b.resize(K, N);
-    if (B.cs == 1) {  // rows contiguous: packed in its memory order, a block of rows per task
-      constexpr int64_t kPackRows = 64;
-      parallel_for(ceil_div(K, kPackRows), K * N, [&](int64_t t) {
-        b.pack_rows(B.data, B.rs, t * kPackRows, std::min(K, (t + 1) * kPackRows));
-      });
-    } else {
-      parallel_for(ceil_div(N, b.kPanel), K * N, [&](int64_t p) { b.pack_panel(B.data, B.rs, B.cs, p * b.kPanel); });
-    }
-  }
+  if (packed) b.pack_parallel(B.data, B.rs, B.cs, K, N);
   const int64_t m_blocks = ceil_div(M, kMC), n_blocks = ceil_div(N, kNC);
   const int64_t k_slices = std::max<int64_t>(1, ceil_div(K, kKC));  // one (empty) slice when K = 0 zeroes C
   parallel_for(
