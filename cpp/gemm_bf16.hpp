@@ -52,21 +52,21 @@ template <int MR, int NV>
 inline void tile(float* C, int64_t ldc, const uint32_t* A, int64_t ars, int64_t acs, const uint32_t* B, int64_t ldb,
                  int64_t K2, float alpha, bool accumulate, int64_t n_valid) {
   __m512 acc[MR][NV];
-  for (int i = 0; i < MR; ++i)
-    for (int v = 0; v < NV; ++v) acc[i][v] = _mm512_setzero_ps();
+  ATTNPP_UNROLL for (int i = 0; i < MR; ++i)
+    ATTNPP_UNROLL for (int v = 0; v < NV; ++v) acc[i][v] = _mm512_setzero_ps();
   for (int64_t p = 0; p < K2; ++p) {
     __m512bh b[NV];
-    for (int v = 0; v < NV; ++v) b[v] = (__m512bh)_mm512_loadu_si512(B + p * ldb + v * kLanes);
-    for (int i = 0; i < MR; ++i) {
+    ATTNPP_UNROLL for (int v = 0; v < NV; ++v) b[v] = (__m512bh)_mm512_loadu_si512(B + p * ldb + v * kLanes);
+    ATTNPP_UNROLL for (int i = 0; i < MR; ++i) {
       const __m512bh a = (__m512bh)_mm512_set1_epi32(int(A[i * ars + p * acs]));
-      for (int v = 0; v < NV; ++v) acc[i][v] = _mm512_dpbf16_ps(acc[i][v], a, b[v]);
+      ATTNPP_UNROLL for (int v = 0; v < NV; ++v) acc[i][v] = _mm512_dpbf16_ps(acc[i][v], a, b[v]);
     }
   }
   const __m512 va = _mm512_set1_ps(alpha);
-  for (int v = 0; v < NV; ++v) {
+  ATTNPP_UNROLL for (int v = 0; v < NV; ++v) {
     const int64_t left = n_valid - v * kLanes;
     const __mmask16 m = left >= kLanes ? __mmask16(0xffff) : __mmask16((1u << std::max<int64_t>(left, 0)) - 1);
-    for (int i = 0; i < MR; ++i) {
+    ATTNPP_UNROLL for (int i = 0; i < MR; ++i) {
       float* c = C + i * ldc + v * kLanes;
       __m512 out = _mm512_mul_ps(va, acc[i][v]);
       if (accumulate) out = _mm512_add_ps(out, _mm512_maskz_loadu_ps(m, c));
