@@ -8,6 +8,7 @@
 #pragma once
 
 #include <cstddef>
+#include <memory>
 
 namespace attnpp {
 
@@ -20,5 +21,18 @@ void pool_release(void* block);
 
 // Frees every block kept for reuse; returns their bytes.
 std::size_t pool_empty();
+
+// Gives a block back to the pool when its owner goes (the deleter of PoolArray).
+struct PoolRelease {
+  void operator()(void* block) const { pool_release(block); }
+};
+
+// An uninitialized array of n T from the pool, returned to it when it goes out of scope.
+template <typename T>
+using PoolArray = std::unique_ptr<T[], PoolRelease>;
+template <typename T>
+PoolArray<T> pool_array(std::size_t n) {
+  return PoolArray<T>(static_cast<T*>(pool_acquire(n * sizeof(T))));
+}
 
 }  // namespace attnpp

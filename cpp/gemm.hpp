@@ -187,10 +187,7 @@ struct PackedB {
   static constexpr int64_t kPanel = gemm_detail::kNV * gemm_detail::Vec<T>::width;
   // From the recycled blocks (buffer_pool.hpp): a projection packs megabytes at every call (MultiheadAttention's
   // weight gradient at (4, 512, 768) packs its 6 MiB input), whose fresh pages would cost more than the packing.
-  struct Release {
-    void operator()(T* p) const { pool_release(p); }
-  };
-  std::unique_ptr<T, Release> data;
+  PoolArray<T> data;
   int64_t K = 0, N = 0, capacity = 0;
 
   // Packs B (K, N), element (k, j) at B[k * brs + j * bcs] (a transposed view has brs = 1), of T or of a
@@ -220,7 +217,7 @@ struct PackedB {
     K = K_, N = N_;
     if (capacity < K * N) {
       data.reset();
-      data.reset(static_cast<T*>(pool_acquire(sizeof(T) * std::size_t(capacity = K * N))));
+      data = pool_array<T>(std::size_t(capacity = K * N));
     }
   }
   // Rows [k0, k1) of every panel, from B with contiguous rows (element (k, j) at B[k * brs + j]).

@@ -114,10 +114,7 @@ struct PairOperand {
 // (zeros past N).
 struct PackedPairs {
   static constexpr int64_t kPanel = pairs_detail::kNV * pairs_detail::kLanes;
-  struct Release {
-    void operator()(uint32_t* p) const { pool_release(p); }
-  };
-  std::unique_ptr<uint32_t, Release> data;
+  PoolArray<uint32_t> data;
   int64_t K2 = 0, N = 0, capacity = 0;
 
   void resize(int64_t K, int64_t N_) {
@@ -125,7 +122,7 @@ struct PackedPairs {
     const int64_t need = K2 * pairs_detail::round_up(N, pairs_detail::kLanes);
     if (capacity < need) {
       data.reset();
-      data.reset(static_cast<uint32_t*>(pool_acquire(sizeof(uint32_t) * std::size_t(capacity = need))));
+      data = pool_array<uint32_t>(std::size_t(capacity = need));
     }
   }
   // The padded width of the panel of columns [j, ...).

@@ -192,16 +192,57 @@ constexpr int64_t kVocabBlock = 1024;  // vocabulary columns per block
 constexpr int64_t kBlockStride = kVocabBlock + 16;
 constexpr int64_t kNarrowRows = 128;   // rows per chunk (a block's logits: at most 512 KiB in float)
 
+// out[f] = sum_j z[j] w^T(f, j0 + j) for f < E (fewer than one vector) and j < width, w^T's columns from a whole
+// number of its packed panels (PackedB): one pass over z and the panels, one vector accumulator per row of w^T
+// (E a template argument, so that they stay in registers), summed in a fixed order. Against E dot products (one
+// per row of w^T, z read E times): 1 + E loads for E multiply-adds instead of 2 E.
+template <typename C, int E>
+void times_wt_rows(C* out, const C* z, const PackedB<C>& wt, int64_t j0, int64_t width) {
+  using namespace gemm_detail;
+  using Vc = typename Vec<C>::type;
+  constexpr int W = Vec<C>::width;
+  static_assert(E < W);
+  Vc acc[W] = {};  // (rows E.. stay 0 for lane_sums)
+  C tail[E] = {};
+  for (int64_t j = 0; j < width; j += wt.kPanel) {
+    const int64_t pw = wt.width(j0 + j);
+    const C* p = wt.panel(j0 + j);
+    int64_t u = 0;
+    for (; u + W <= pw; u += W) {
+      const Vc zv = load_vector<C>(z + j + u);
+      ATTNPP_UNROLL for (int f = 0; f < E; ++f) acc[f] += zv * load_vector<C>(p + f * pw + u);
+    }
+    for (; u < pw; ++u)
+      for (int f = 0; f < E; ++f) tail[f] += z[j + u] * p[f * pw + u];
+  }
+  const Vc sums = lane_sums<C>(acc);
+  for (int f = 0; f < E; ++f) out[f] = sums[f] + tail[f];
+}
+
+// Runtime E in [1, Vec<C>::width) -> times_wt_rows<C, E>.
+template <typename C, int E = gemm_detail::Vec<C>::width - 1>
+void times_wt_rows(C* out, const C* z, const PackedB<C>& wt, int64_t j0, int64_t width, int64_t e) {
+  if constexpr (E > 0) {
+    if (e == E)
+      times_wt_rows<C, E>(out, z, wt, j0, width);
+    else
+      times_wt_rows<C, E - 1>(out, z, wt, j0, width, e);
+  }
+}
+
 template <typename C>
 void fused_narrow(C* losses, C* logsumexp, C* dx, C* dw, C* db, const C* row_weight, const C* x, const C* w,
                   const C* b, const int64_t* target, int64_t N, int64_t E, int64_t V, int64_t ignore_index, C eps) {
   const int64_t blocks = ceil_div(V, kVocabBlock);
   const C smooth = eps / C(V);
+  PackedB<C> wt;  // w^T (E, V), packed by the blocks of (1) in the first chunk
+  wt.resize(E, V);
   for (int64_t r0 = 0; r0 < N; r0 += kNarrowRows) {
     const int64_t R = std::min(kNarrowRows, N - r0);
     const C* xc = x + r0 * E;
     // block bl's logits: R rows of its width, from z + bl * R * kBlockStride, row stride kBlockStride
-    const std::unique_ptr<C[]> z(new C[std::size_t(blocks * R * kBlockStride)]);
+    // (from the pool: 6 MB at article 001's N = 30, whose fresh pages cost more than the products writing them)
+    const PoolArray<C> z = pool_array<C>(std::size_t(blocks * R * kBlockStride));
     const std::size_t cells = std::size_t(blocks * R), rows = std::size_t(R);  // (block, row) figures; row figures
     std::vector<C> block_max(cells), z_target(rows), weight(rows);
     std::vector<double> block_sum(cells), block_zsum(eps > 0 ? cells : 0);
@@ -219,9 +260,9 @@ void fused_narrow(C* losses, C* logsumexp, C* dx, C* dw, C* db, const C* row_wei
         [&](int64_t bl) {
           int64_t j0, width;
           C* zb = block_of(bl, j0, width);
-          thread_local PackedB<C> wt;  // (E, width) the block's w^T
-          wt.pack(w + j0 * E, 1, E, E, width);
-          gemm(zb, kBlockStride, row_major(xc, E), wt, R, width, E, C(1), Write::assign);
+          if (r0 == 0)  // the block's panels of w^T (for every chunk, and for dx's products in (3))
+            for (int64_t j = j0; j < j0 + width; j += wt.kPanel) wt.pack_panel(w, 1, E, j);
+          gemm(zb, kBlockStride, row_major(xc, E), wt, R, width, E, C(1), Write::assign, 0, j0);
           for (int64_t r = 0; r < R; ++r) {
             C* zr = zb + r * kBlockStride;
             if (b)
@@ -280,7 +321,7 @@ void fused_narrow(C* losses, C* logsumexp, C* dx, C* dw, C* db, const C* row_wei
             if (t >= 0 && t < width) zr[t] = target_gradient(wi, z_target[r], lse[r], eps, smooth);
           }
           // dw[j0 + j] += sum_r dz[r, j] x[r]: dw^T (E, width) = x^T dz, added transposed
-          thread_local std::vector<C> dwt, wt;
+          thread_local std::vector<C> dwt;
           dwt.resize(std::size_t(E * width));
           gemm_unpacked(dwt.data(), width, transposed(xc, E), zb, kBlockStride, E, width, R, C(1), Write::assign);
           for (int64_t j = 0; j < width; ++j)
@@ -288,14 +329,9 @@ void fused_narrow(C* losses, C* logsumexp, C* dx, C* dw, C* db, const C* row_wei
           if (db)
             for (int64_t r = 0; r < R; ++r)
               for (int64_t j = 0; j < width; ++j) db[j0 + j] += zb[r * kBlockStride + j];
-          if (dx) {  // dx_part[bl] (R, E) = dz w_blk: dot products with the rows of w_blk^T
-            wt.resize(std::size_t(E * width));
-            for (int64_t j = 0; j < width; ++j)
-              for (int64_t f = 0; f < E; ++f) wt[f * width + j] = w[(j0 + j) * E + f];
+          if (dx)  // dx_part[bl] (R, E) = dz w_blk
             for (int64_t r = 0; r < R; ++r)
-              for (int64_t f = 0; f < E; ++f)
-                dx_part[(bl * R + r) * E + f] = dot(zb + r * kBlockStride, wt.data() + f * width, width);
-          }
+              times_wt_rows(dx_part.data() + (bl * R + r) * E, zb + r * kBlockStride, wt, j0, width, E);
         });
     if (dx)
       for (int64_t bl = 0; bl < blocks; ++bl)
