@@ -59,11 +59,11 @@ void set_thread_count(int n);
 // with a false `if` still sets up a team, about a microsecond). Each thread owns a contiguous share of the tasks,
 // [t n / T, (t + 1) n / T), as a static split gives, and takes them one by one; a thread done with its own share
 // then takes the others' remaining tasks, one by one as well (dynamic scheduling's balance).
-// - The owned shares: thread t gets the same tasks, hence the same data, in every loop of a call and from call to
-//   call (a block of logits written in one phase and read in the next, a weight's rows written by the loss and
-//   updated by the optimizer). On this project's 2-vCPU host the two virtual CPUs sit, for tens of seconds at a
-//   time, on cores that share no cache (a cache line's round trip between the threads: 310 ns instead of 51): with
-//   tasks handed out first come, first served, about half of every array changed hands at each loop, and two
+// - The owned shares: thread t gets the same tasks, hence the same data, in every loop over the same tasks, within
+//   a call and from call to call (the fused loss's blocks of logits, written in one phase and read in the next, and
+//   again at the next training step). On this project's 2-vCPU host the two virtual CPUs sit, for tens of seconds
+//   at a time, on cores that share no cache (a cache line's round trip between the threads: 310 ns instead of 51):
+//   with tasks handed out first come, first served, about half of every array changed hands at each loop, and two
 //   threads took longer than one (a 6.4 MB read-modify-write sweep: 145 us on two threads, 121 on one, 64 on two
 //   sharing a cache).
 // - The taking over: a thread that the machine holds up (another process on its core, a virtual CPU descheduled)
