@@ -15,24 +15,30 @@
 
 namespace attnpp::ATTNPP_CPU_NS {
 
-// exp((x_j - m) - s) for the n entries of x (m: the row's max, s >= 0), a chunk at a time into a buffer that
-// stays in L1, each chunk given to use(c0, buf, len). Full packets with exp_nonpositive, the last len % W
-// entries of a chunk with std::exp: which exp an entry takes depends on its position only, never on where the
-// row or the output lies in memory (Eigen's expressions start their packets at an output's first aligned
-// address, which made the gradient's last bit depend on the output's allocation).
-template <typename T, typename Use>
-void exp_shifted_chunks(const T* x, int64_t n, T m, T s, Use&& use) {
+// out[j] = exp((x[j] - m) - s) for the n entries of x (m: the row's max, s >= 0; out may be x): full packets with
+// exp_nonpositive, the last n % W entries with std::exp. Which exp an entry takes depends on its position in the
+// row only (callers cut rows at multiples of W), never on where the row or the output lies in memory (Eigen's
+// expressions start their packets at an output's first aligned address, which made the gradient's last bit depend
+// on the output's allocation).
+template <typename T>
+inline void exp_shifted(const T* x, int64_t n, T m, T s, T* out) {
   namespace ei = Eigen::internal;
   using P = typename ei::packet_traits<T>::type;
-  constexpr int64_t kChunk = 1024, W = ei::unpacket_traits<P>::size;
-  alignas(64) T buf[kChunk];
+  constexpr int64_t W = ei::unpacket_traits<P>::size;
   const P vm = ei::pset1<P>(m), vs = ei::pset1<P>(s);
+  int64_t j = 0;
+  for (; j + W <= n; j += W) ei::pstoreu(out + j, exp_nonpositive(ei::psub(ei::psub(ei::ploadu<P>(x + j), vm), vs)));
+  for (; j < n; ++j) out[j] = std::exp((x[j] - m) - s);
+}
+
+// exp_shifted a chunk at a time into a buffer that stays in L1, each chunk given to use(c0, buf, len).
+template <typename T, typename Use>
+void exp_shifted_chunks(const T* x, int64_t n, T m, T s, Use&& use) {
+  constexpr int64_t kChunk = 1024;
+  alignas(64) T buf[kChunk];
   for (int64_t c0 = 0; c0 < n; c0 += kChunk) {
     const int64_t len = std::min(kChunk, n - c0);
-    int64_t j = 0;
-    for (; j + W <= len; j += W)
-      ei::pstoreu(buf + j, exp_nonpositive(ei::psub(ei::psub(ei::ploadu<P>(x + c0 + j), vm), vs)));
-    for (; j < len; ++j) buf[j] = std::exp((x[c0 + j] - m) - s);
+    exp_shifted(x + c0, len, m, s, buf);
     use(c0, buf, len);
   }
 }
@@ -68,29 +74,20 @@ struct Lanes8 {
 // previous addition, took a quarter of the time. With `kept`, the terms are also written there (kept may be x).
 template <typename T>
 double sum_exp_shifted(const T* x, int64_t n, T m, T* kept = nullptr) {
-  namespace ei = Eigen::internal;
-  using P = typename ei::packet_traits<T>::type;
-  constexpr int64_t W = ei::unpacket_traits<P>::size, kLanes = 8;
-  constexpr int64_t kStep = W > kLanes ? W : kLanes;  // whole packets and whole groups of lanes
+  constexpr int64_t W = Eigen::internal::unpacket_traits<typename Eigen::internal::packet_traits<T>::type>::size;
+  constexpr int64_t kLanes = 8, kStep = W > kLanes ? W : kLanes;  // whole packets and whole groups of lanes
   Lanes8 lanes;
+  double tail = 0;
   alignas(64) T local[kStep];
-  const P vm = ei::pset1<P>(m);
-  const auto exp_at = [&](int64_t i) { return exp_nonpositive(ei::psub(ei::ploadu<P>(x + i), vm)); };
-  int64_t j = 0;
-  for (; j + kStep <= n; j += kStep) {
+  for (int64_t j = 0; j < n; j += kStep) {
+    const int64_t len = std::min(kStep, n - j);
     T* e = kept ? kept + j : local;
-    for (int64_t p = 0; p < kStep; p += W) ei::pstoreu(e + p, exp_at(j + p));
-    for (int64_t g = 0; g < kStep; g += kLanes) lanes.add(e + g);
+    exp_shifted(x + j, len, m, T(0), e);
+    int64_t k = 0;
+    for (; k + kLanes <= len; k += kLanes) lanes.add(e + k);
+    for (; k < len; ++k) tail += double(e[k]);
   }
-  T* e = kept ? kept + j : local;  // the last n - j < kStep terms
-  const int64_t len = n - j;
-  int64_t k = 0;
-  for (; k + W <= len; k += W) ei::pstoreu(e + k, exp_at(j + k));
-  for (; k < len; ++k) e[k] = std::exp(x[j + k] - m);
-  for (k = 0; k + kLanes <= len; k += kLanes) lanes.add(e + k);
-  double sum = 0;
-  for (; k < len; ++k) sum += double(e[k]);
-  return lanes.total(sum);
+  return lanes.total(tail);
 }
 
 }  // namespace attnpp::ATTNPP_CPU_NS
