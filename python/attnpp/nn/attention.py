@@ -7,6 +7,7 @@ import numpy as np
 from .. import _core
 from .. import _checks as checks
 from .. import functional as F
+from .._pool import empty, zeros
 from ..grad_mode import no_grad
 from .dropout import Dropout
 from .kv_cache import KVCache
@@ -419,7 +420,7 @@ class Attention(Module):
         B, L, S = x3.shape[0], x3.shape[1], c3.shape[1]
         H = self.num_heads
         # the weights first: one too large to allocate is a MemoryError before any work, the layer unchanged
-        weights = F._empty((B, H, L, S), self.dtype) if need_weights else None
+        weights = empty((B, H, L, S), self.dtype) if need_weights else None
         masks = []
         if key_padding_mask is not None:
             kpm = F.additive_mask(key_padding_mask, self.dtype, "key_padding_mask", true_means_masked=True)
@@ -433,7 +434,7 @@ class Attention(Module):
         q, k, v = (self._heads(t) for t in (self.q_proj(x3), self.k_proj(c3), self.v_proj(c3)))  # (B, H, T, d)
         if self.rotary:
             q, k = self._rotate(q, 0), self._rotate(k, 0)
-        attn = F._empty((B, L, self.v_dim), self.dtype)
+        attn = empty((B, L, self.v_dim), self.dtype)
         lse = np.empty((B, H, L), checks.compute_dtype(self.dtype))
         _core.sdpa_forward(self._heads(attn), lse, q, k, v, params)
         y = attn if self.out_proj is None else self.out_proj(attn)
@@ -546,7 +547,7 @@ class Attention(Module):
         g = self.out_drop.backward(grad_output if ctx["batched"] else grad_output[None])
         d_attn = g if self.out_proj is None else self.out_proj.backward(g)
         q, k, v = ctx["qkv"]  # (B, H, T, d), as the kernel read them
-        dq, dk, dv = (F._zeros((t.shape[0], t.shape[2], t.shape[1] * t.shape[3]), t.dtype) for t in (q, k, v))
+        dq, dk, dv = (zeros((t.shape[0], t.shape[2], t.shape[1] * t.shape[3]), t.dtype) for t in (q, k, v))
         _core.sdpa_backward(*(self._heads(t) for t in (dq, dk, dv, np.ascontiguousarray(d_attn), ctx["attn"])),
                             ctx["lse"], q, k, v, ctx["params"],
                             grad_sinks=None if self.sinks is None else self.sinks.grad_buffer())
