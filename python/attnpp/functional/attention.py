@@ -10,10 +10,11 @@ import numpy as np
 
 from .. import _core
 from .._checks import (MAX_ELEMENTS, broadcast_shape, check_array, check_bool, check_probability, check_scale,
-                       check_seed, compute_dtype)
+                       compute_dtype)
 from .._pool import empty as _empty, zeros as _zeros
 from . import _args
-from ._args import additive_mask, attention_params, causal_mode, last_dim_contiguous, mask_arg, score_scale
+from ._args import (additive_mask, attention_params, causal_mode, check_backward_seed, check_saved,
+                    last_dim_contiguous, mask_arg, score_scale)
 
 
 class _Problem:
@@ -37,9 +38,7 @@ class _Problem:
         causal = causal_mode(is_causal, causal_alignment)
         if is_causal and attn_mask is not None:
             raise ValueError("attn_mask must be None when is_causal=True (as in PyTorch): pass one or the other")
-        if need_seed and dropout_p > 0 and seed is None:
-            raise ValueError("seed: the backward with dropout_p > 0 needs the seed given to the forward")
-        self.seed = check_seed(seed, used=dropout_p > 0)
+        self.seed = check_backward_seed(seed, dropout_p, need_seed)
         self.unbatched = query.ndim == 2 and key.ndim == 2 and (value is None or value.ndim == 2)
         self._sizes(query, key, value, enable_gqa)
         self.q4 = self._as4(query, self.Hq, self.L, self.D)
@@ -351,14 +350,8 @@ def scaled_dot_product_attention_backward(grad_output, query, key, value, output
     p = _Problem(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, seed, causal_alignment,
                  need_seed=True, window=window, alibi_slopes=alibi_slopes, softcap=softcap, sinks=sinks,
                  key_padding_mask=key_padding_mask)
-    arrays = []
-    for name, arr, shape in (("grad_output", grad_output, p.out_shape(p.L, p.Dv)),
-                             ("output", output, p.out_shape(p.L, p.Dv)),
-                             ("logsumexp", logsumexp, p.out_shape(p.L))):
-        arrays.append(check_array(arr, name, dtype=compute_dtype(p.dtype) if name == "logsumexp" else p.dtype))
-        if arrays[-1].shape != shape:
-            raise ValueError(f"{name}: expected shape {shape}, got {arrays[-1].shape}")
-    grad_output, output, logsumexp = arrays
+    grad_output, output, logsumexp = check_saved(p.dtype, (grad_output, p.out_shape(p.L, p.Dv)),
+                                                 (output, p.out_shape(p.L, p.Dv)), (logsumexp, p.out_shape(p.L)))
     four = lambda a, tail: np.ascontiguousarray(a).reshape((p.N, p.Hq) + tail)
     dq = _zeros((p.N, p.Hq, p.L, p.D), p.dtype)
     dk = _zeros((p.N, p.Hk, p.S, p.D), p.dtype)

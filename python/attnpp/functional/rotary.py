@@ -8,11 +8,13 @@ import numbers
 import numpy as np
 
 from .. import _core
-from .._checks import as_ndarray, check_array, check_bool, check_dtype, check_int, is_real
+from .._checks import as_ndarray, check_array, check_bool, check_dtype, check_int, check_rotary_base
 from .._pool import empty as _empty, zeros as _zeros
 
+ROTARY_BASE = 10000.0  # the default base of RoPE's frequencies (RoFormer, Llama's rope_theta)
 
-def rotary_tables(max_positions, rotary_dim, base=10000.0, dtype=np.float32):
+
+def rotary_tables(max_positions, rotary_dim, base=ROTARY_BASE, dtype=np.float32):
     """The cos and sin tables of rotary position embeddings (RoPE), for ``rotary_embedding``.
 
     ``angle[p, d] = p * base ** (-2d / rotary_dim)`` for positions p < P = ``max_positions`` and d < R/2
@@ -38,12 +40,9 @@ def rotary_tables(max_positions, rotary_dim, base=10000.0, dtype=np.float32):
     rotary_dim = check_int(rotary_dim, "rotary_dim", minimum=1)
     if rotary_dim % 2:
         raise ValueError(f"rotary_dim must be even (features are rotated in pairs), got {rotary_dim}")
-    if not is_real(base):
-        raise TypeError(f"base: expected a float, got {type(base).__name__}")
-    if not (math.isfinite(base) and base > 0):
-        raise ValueError(f"base must be finite and > 0, got {base!r}")
+    base = check_rotary_base(base, "base")
     dtype = check_dtype(dtype)
-    inv_freq = float(base) ** (-np.arange(0, rotary_dim, 2, dtype=np.float64) / rotary_dim)  # (R/2,)
+    inv_freq = base ** (-np.arange(0, rotary_dim, 2, dtype=np.float64) / rotary_dim)  # (R/2,)
     angle = np.arange(max_positions, dtype=np.float64)[:, None] * inv_freq                     # (P, R/2)
     return np.cos(angle).astype(dtype), np.sin(angle).astype(dtype)
 

@@ -9,7 +9,7 @@ import numpy as np
 
 from .. import _core
 from .._checks import (MAX_ELEMENTS, check_array, check_bool, check_ignore_index, check_index, check_loss_grad,
-                       check_probability, check_reduction, check_seed, compute_dtype)
+                       check_probability, check_reduction, check_seed, check_written, compute_dtype)
 from .._pool import empty as _empty, zeros as _zeros
 
 
@@ -49,6 +49,13 @@ def dropout_mask(shape, p, seed):
     return _core.dropout_mask(dims, p, seed)
 
 
+def check_linear_input(input, weight):
+    """ValueError unless the input's last dimension (*, Fin) is the weight's (Fout, Fin) in_features."""
+    if input.shape[-1] != weight.shape[1]:
+        raise ValueError(f"input: last dimension must be weight's in_features {weight.shape[1]}, got input "
+                         f"{input.shape} and weight {weight.shape}")
+
+
 def linear(input, weight, bias=None):
     """``input @ weight.T + bias``, as ``torch.nn.functional.linear``.
 
@@ -70,9 +77,7 @@ def linear(input, weight, bias=None):
         bias = check_array(bias, "bias", ndim=1, dtype=input.dtype)
         if bias.shape[0] != weight.shape[0]:
             raise ValueError(f"bias: expected shape ({weight.shape[0]},), got {bias.shape}")
-    if input.shape[-1] != weight.shape[1]:
-        raise ValueError(f"input: last dimension must be weight's in_features {weight.shape[1]}, got input "
-                         f"{input.shape} and weight {weight.shape}")
+    check_linear_input(input, weight)
     return linear_unchecked(input, weight, bias)
 
 
@@ -101,9 +106,7 @@ def linear_backward(grad_output, input, weight, grad_weight, grad_bias=None, nee
     grad_weight = check_array(grad_weight, "grad_weight", ndim=2, dtype=dt, written=True)
     if grad_bias is not None:
         grad_bias = check_array(grad_bias, "grad_bias", ndim=1, dtype=dt, written=True)
-    if input.shape[-1] != weight.shape[1]:
-        raise ValueError(f"input: last dimension must be weight's in_features {weight.shape[1]}, got input "
-                         f"{input.shape} and weight {weight.shape}")
+    check_linear_input(input, weight)
     want = input.shape[:-1] + (weight.shape[0],)
     if grad_output.shape != want:
         raise ValueError(f"grad_output: expected shape {want} (input's batch, weight's out_features), got "
@@ -114,8 +117,7 @@ def linear_backward(grad_output, input, weight, grad_weight, grad_bias=None, nee
             continue
         if g.shape != shape:
             raise ValueError(f"{name}: expected shape {shape}, got {g.shape}")
-        if not g.flags.c_contiguous or not g.flags.writeable:
-            raise ValueError(f"{name}: expected a C-contiguous, writeable array (written in place)")
+        check_written(g, name)
     return linear_backward_unchecked(grad_output, input, weight, grad_weight, grad_bias,
                             check_bool(need_input_grad, "need_input_grad"))
 
@@ -212,8 +214,7 @@ def embedding_backward(grad_output, input, grad_weight):
     """
     grad_weight = check_array(grad_weight, "grad_weight", ndim=2, written=True)
     grad_output = check_array(grad_output, "grad_output", dtype=grad_weight.dtype)
-    if not grad_weight.flags.c_contiguous or not grad_weight.flags.writeable:
-        raise ValueError("grad_weight: expected a C-contiguous, writeable array (written in place)")
+    check_written(grad_weight, "grad_weight")
     index = check_index(input, "input", grad_weight.shape[0])
     E = grad_weight.shape[1]
     if grad_output.shape != index.shape + (E,):

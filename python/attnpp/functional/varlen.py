@@ -9,9 +9,10 @@ import numpy as np
 
 from .. import _core
 from .._checks import (HALVES, as_ndarray, check_array, check_bool, check_cumulative, check_probability,
-                       check_seed, compute_dtype)
+                       compute_dtype)
 from .._pool import empty as _empty, zeros as _zeros
-from ._args import attention_params, causal_mode, last_dim_contiguous, score_scale
+from ._args import (attention_params, causal_mode, check_backward_seed, check_saved, last_dim_contiguous,
+                    score_scale)
 from .attention import AttentionForward
 
 
@@ -40,9 +41,7 @@ class _Varlen:
         self.B = cu_q.shape[0] - 1
         check_probability(dropout_p, "dropout_p")
         causal = causal_mode(check_bool(is_causal, "is_causal"), causal_alignment)
-        if need_seed and dropout_p > 0 and seed is None:
-            raise ValueError("seed: the backward with dropout_p > 0 needs the seed given to the forward")
-        self.seed = check_seed(seed, used=dropout_p > 0)
+        self.seed = check_backward_seed(seed, dropout_p, need_seed)
         self.params = attention_params(
             (self.B,), self.Hq, dt, scale=score_scale(scale, self.D), causal=causal, dropout_p=float(dropout_p),
             seed=self.seed, window=window, alibi_slopes=alibi_slopes, softcap=softcap, sinks=sinks,
@@ -124,13 +123,8 @@ def scaled_dot_product_attention_varlen_backward(grad_output, query, key, value,
     """
     p = _Varlen(query, key, value, cu_seqlens_q, cu_seqlens_k, dropout_p, is_causal, scale, seed, causal_alignment,
                 window, alibi_slopes, softcap, sinks, need_seed=True)
-    arrays = []
-    for name, arr, shape in (("grad_output", grad_output, (p.Tq, p.Hq, p.Dv)), ("output", output, (p.Tq, p.Hq, p.Dv)),
-                             ("logsumexp", logsumexp, (p.Hq, p.Tq))):
-        arrays.append(check_array(arr, name, dtype=compute_dtype(p.dtype) if name == "logsumexp" else p.dtype))
-        if arrays[-1].shape != shape:
-            raise ValueError(f"{name}: expected shape {shape}, got {arrays[-1].shape}")
-    grad_output, output, logsumexp = arrays
+    grad_output, output, logsumexp = check_saved(p.dtype, (grad_output, (p.Tq, p.Hq, p.Dv)),
+                                                 (output, (p.Tq, p.Hq, p.Dv)), (logsumexp, (p.Hq, p.Tq)))
     dq, dk, dv = (_zeros(shape, p.dtype) for shape in ((p.Tq, p.Hq, p.D), (p.Tk, p.Hk, p.D), (p.Tk, p.Hk, p.Dv)))
     dsinks = None if p.params.sinks is None else np.zeros(p.Hq, compute_dtype(p.dtype))
     _core.sdpa_backward(p.heads(dq), p.heads(dk), p.heads(dv), p.heads(grad_output), p.heads(output),

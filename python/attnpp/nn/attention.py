@@ -6,6 +6,7 @@ from .. import _core
 from .. import _checks as checks
 from .. import functional as F
 from .._pool import empty, zeros
+from ..functional.rotary import ROTARY_BASE
 from ..grad_mode import no_grad
 from .attention_config import (attention_config, attention_config_of,  # noqa: F401 (importable from here too)
                                cached_rotary_tables, variant_args)
@@ -123,7 +124,7 @@ class Attention(WeightLoading, Module):
     def __init__(self, embed_dim, num_heads=1, *, qk_dim=None, v_dim=None, kv_dim=None, out_dim=None, bias=True,
                  out_proj=True, out_bias=None, causal=False, causal_alignment="top_left", attn_dropout=0.0,
                  out_dropout=0.0, scale=None, context_length=None, window=None, alibi=False, softcap=None,
-                 sinks=False, rotary=False, rotary_dim=None, rotary_base=10000.0, rotary_interleaved=False,
+                 sinks=False, rotary=False, rotary_dim=None, rotary_base=ROTARY_BASE, rotary_interleaved=False,
                  dtype=None):
         super().__init__(dtype)
         config = attention_config_of(locals())

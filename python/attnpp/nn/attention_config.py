@@ -5,19 +5,19 @@ variant options of its ``repr`` (``variant_args``).
 Shape letters: H heads, P positions, R rotary_dim.
 """
 import inspect
-import math
 
 import numpy as np
 
 from .. import _checks as checks
 from .. import functional as F
+from ..functional.rotary import ROTARY_BASE
 from .module import to_numpy
 
 
 def attention_config(embed_dim, num_heads=1, qk_dim=None, v_dim=None, kv_dim=None, out_dim=None, out_proj=True,
                      causal=False, causal_alignment="top_left", attn_dropout=0.0, out_dropout=0.0, scale=None,
                      context_length=None, *, window=None, alibi=False, softcap=None, sinks=False, rotary=False,
-                     rotary_dim=None, rotary_base=10000.0, rotary_interleaved=False):
+                     rotary_dim=None, rotary_base=ROTARY_BASE, rotary_interleaved=False):
     """The checked widths and options of an ``Attention`` layer (also ``attnpp.torch.Attention``'s), defaults
     filled in: a dict of embed_dim, num_heads, qk_dim, v_dim, kv_dim, out_dim, causal, causal_alignment,
     attn_dropout, out_dropout, scale, context_length, window ((left, right) or None), alibi_slopes (float64
@@ -80,16 +80,13 @@ def _rotary_config(rotary, rotary_dim, rotary_base, rotary_interleaved, head_dim
     """The checked RoPE options: rotary, rotary_dim (default the head width), rotary_base, rotary_interleaved."""
     rotary = checks.check_bool(rotary, "rotary")
     rotary_interleaved = checks.check_bool(rotary_interleaved, "rotary_interleaved")
-    if not checks.is_real(rotary_base):
-        raise TypeError(f"rotary_base: expected a float, got {type(rotary_base).__name__}")
-    if not (math.isfinite(rotary_base) and rotary_base > 0):
-        raise ValueError(f"rotary_base must be finite and > 0, got {rotary_base!r}")
+    checks.check_rotary_base(rotary_base, "rotary_base")
     if not rotary:
-        given = [n for n, v, default in (("rotary_dim", rotary_dim, None), ("rotary_base", rotary_base, 10000.0),
+        given = [n for n, v, default in (("rotary_dim", rotary_dim, None), ("rotary_base", rotary_base, ROTARY_BASE),
                                          ("rotary_interleaved", rotary_interleaved, False)) if v != default]
         if given:
             raise ValueError(f"{', '.join(given)} given without rotary=True (RoPE is off)")
-        return dict(rotary=False, rotary_dim=None, rotary_base=10000.0, rotary_interleaved=False)
+        return dict(rotary=False, rotary_dim=None, rotary_base=ROTARY_BASE, rotary_interleaved=False)
     if rotary_dim is None:
         if head_dim % 2:
             raise ValueError(f"rotary=True: the head width qk_dim / num_heads = {head_dim} is odd; RoPE rotates "
@@ -127,4 +124,4 @@ def variant_args(layer):
     return dict(window=(layer.window, None), alibi=(alibi, False), softcap=(layer.softcap, None),
                 sinks=(layer.sinks is not None, False), rotary=(layer.rotary, False),
                 rotary_dim=(layer.rotary_dim, head_dim if layer.rotary else None),
-                rotary_base=(layer.rotary_base, 10000.0), rotary_interleaved=(layer.rotary_interleaved, False))
+                rotary_base=(layer.rotary_base, ROTARY_BASE), rotary_interleaved=(layer.rotary_interleaved, False))
