@@ -29,6 +29,15 @@ def causal_mode(is_causal, causal_alignment):
     return _CAUSAL[alignment] if is_causal else _core.Causal.none
 
 
+def plain_causal_mode(is_causal, causal_alignment):
+    """``causal_mode`` of a bool ``is_causal`` and a known alignment, without raising: None for any other value
+    (the plain call's test; the general path then raises ``causal_mode``'s and ``check_bool``'s errors)."""
+    if type(is_causal) is not bool or type(causal_alignment) is not str:
+        return None
+    causal = _CAUSAL.get(causal_alignment)
+    return None if causal is None else causal if is_causal else _core.Causal.none
+
+
 def get_alibi_slopes(num_heads, dtype=np.float32):
     """The standard ALiBi slopes for ``num_heads`` heads (Press et al., "Train Short, Test Long: Attention with
     Linear Biases Enables Input Length Extrapolation", 2022): the geometric sequence 2^(-8/n), 2^(-16/n), ... for

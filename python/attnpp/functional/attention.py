@@ -14,7 +14,7 @@ from .._checks import (MAX_ELEMENTS, broadcast_shape, check_array, check_bool, c
 from .._pool import empty as _empty, zeros as _zeros
 from . import _args
 from ._args import (additive_mask, attention_params, causal_mode, check_backward_seed, check_saved,
-                    last_dim_contiguous, mask_arg, score_scale)
+                    last_dim_contiguous, mask_arg, plain_causal_mode, score_scale)
 
 
 class _Problem:
@@ -142,13 +142,19 @@ class _Problem:
 def _plain_forward(query, key, value, dropout_p, is_causal, scale, enable_gqa, causal_alignment):
     """(output, logsumexp) of the commonest call, without _Problem: (N, Hq, L, D), (N, Hk, S, D) and (N, Hk, S, Dv)
     ndarrays of one dtype with contiguous rows, Hk = Hq or a divisor of it under enable_gqa, no dropout, no option
-    beyond is_causal, scale and causal_alignment, checked, allocated and run in one call of the core
-    (``_core.sdpa_forward_plain``). None for any other call, which takes _Problem's path (and its errors): no call
-    that path would refuse. A decoding step calls the attention once per layer per token, its Python code gone cold
-    from the caches in between: in a transformers model's decoding, _Problem's path spent ~110 us of Python around
-    a kernel of 110 to 210 us, Python's checks of this call ~60 us, the core's a few."""
-    return _core.sdpa_forward_plain(query, key, value, dropout_p, is_causal, scale, enable_gqa, causal_alignment,
-                                    _args._BFLOAT16_NUMERICS)
+    beyond is_causal (a bool), scale (None or a float) and causal_alignment (a known name), checked, allocated and
+    run in one call of the core (``_core.sdpa_forward_plain``, given the scale of ``score_scale`` and the mode of
+    ``plain_causal_mode``: the rules stay here). None for any other call, which takes _Problem's path (and its
+    errors): no call that path would refuse. A decoding step calls the attention once per layer per token, its
+    Python code gone cold from the caches in between: in a transformers model's decoding, _Problem's path spent
+    ~110 us of Python around a kernel of 110 to 210 us, Python's checks of this call ~60 us, the core's a few."""
+    if type(query) is not np.ndarray or query.ndim != 4 or not (scale is None or type(scale) is float):
+        return None
+    causal = plain_causal_mode(is_causal, causal_alignment)
+    if causal is None:
+        return None
+    return _core.sdpa_forward_plain(query, key, value, dropout_p, causal, score_scale(scale, query.shape[3]),
+                                    enable_gqa, _args._BFLOAT16_NUMERICS)
 
 
 class AttentionForward(NamedTuple):

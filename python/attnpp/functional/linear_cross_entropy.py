@@ -182,6 +182,6 @@ def linear_cross_entropy_backward(grad_output, input, weight, target, logsumexp,
     row_weight = np.ascontiguousarray(np.where(kept, g, 0), dtype=acc)  # exactly 0 on ignored rows
     (N, E), V = x.shape, w.shape[0]
     out = (_zeros((N, E), dt), _zeros((V, E), dt), None if b is None else _zeros((V,), dt))
-    _core.linear_cross_entropy(None, np.ascontiguousarray(lse, dtype=acc).reshape(-1), *out, row_weight, x, w, b,
-                               tgt, int(ignore_index), eps)
+    _core.linear_cross_entropy_backward(np.ascontiguousarray(lse, dtype=acc).reshape(-1), *out, row_weight, x, w, b,
+                                        tgt, int(ignore_index), eps)
     return (out[0].reshape(np.shape(input)),) + out[1:]
