@@ -132,7 +132,7 @@ T row_max(const T* row, int64_t n) {
 // needs nothing more; else (a NaN shift, Eigen's generic exp, whose -inf gives a subnormal) -inf is selected to 0.
 // The sum is in a fixed order: one partial sum per lane.
 template <typename T>
-T exp_shifted(T* row, int64_t n, T shift) {
+T exp_shifted_in_place(T* row, int64_t n, T shift) {
   namespace ei = Eigen::internal;
   using P = typename ei::packet_traits<T>::type;
   constexpr int64_t W = ei::unpacket_traits<P>::size;
@@ -162,7 +162,7 @@ void probs_from_lse(RowMat<T>& p_blk, const T* lse) {
     if (lse[r] == neg_inf<T>())
       p_blk.row(r).setZero();
     else
-      exp_shifted(&p_blk(r, 0), p_blk.cols(), lse[r]);
+      exp_shifted_in_place(&p_blk(r, 0), p_blk.cols(), lse[r]);
   }
 }
 
@@ -268,13 +268,13 @@ void forward(const View4<Q>& out, compute_t<T>* logsumexp, const View4<const Q>&
                 m_new(r) = std::isnan(blk_max) || blk_max > m_old ? blk_max : m_old;
                 alpha(r) = m_new(r) == neg_inf<C>() ? C(0) : m_old - m_new(r);
               }
-              exp_shifted(alpha.data(), br, C(0));
+              exp_shifted_in_place(alpha.data(), br, C(0));
               for (int64_t r = 0; r < br; ++r) {
                 if (m_new(r) == neg_inf<C>()) {  // nothing visible yet in this row
                   s_blk.row(r).setZero();
                   continue;
                 }
-                l(r0 + r) = l(r0 + r) * alpha(r) + exp_shifted(&s_blk(r, 0), cols, m_new(r));
+                l(r0 + r) = l(r0 + r) * alpha(r) + exp_shifted_in_place(&s_blk(r, 0), cols, m_new(r));
                 acc.row(r0 + r) *= alpha(r);
                 m(r0 + r) = m_new(r);
               }

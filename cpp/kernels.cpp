@@ -15,8 +15,9 @@ constexpr Kernels<T> table() {
           &sdpa_weights<T>,       &linear_forward<T>,            &linear_backward<T>,
           &dropout_forward<T>,    &dropout_backward<T>,          &embedding_forward<T>,
           &embedding_backward<T>, &cross_entropy_forward<T>,     &cross_entropy_backward<T>,
-          &linear_cross_entropy<T>, &sgd_step<T>,                &adamw_step<T>,
-          &rotary_forward<T>,     &rotary_backward<T>};
+          &linear_cross_entropy<T>, &linear_cross_entropy_backward<T>,
+          &sgd_step<T>,           &adamw_step<T>,                &rotary_forward<T>,
+          &rotary_backward<T>};
 }
 
 }  // namespace

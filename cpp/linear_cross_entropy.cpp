@@ -355,12 +355,11 @@ void run(C* losses, C* logsumexp, C* dx, C* dw, C* db, const C* row_weight, cons
     fused(losses, logsumexp, dx, dw, db, row_weight, x, w, b, target, N, E, V, ignore_index, eps);
 }
 
-}  // namespace
-
+// Both entries: losses (N) written, or nullptr to read logsumexp (the backward's recompute from it).
 template <typename T>
-void linear_cross_entropy(compute_t<T>* losses, compute_t<T>* logsumexp, T* dx, T* dw, T* db,
-                          const compute_t<T>* row_weight, const T* x, const T* w, const T* b, const int64_t* target,
-                          int64_t N, int64_t E, int64_t V, int64_t ignore_index, double label_smoothing) {
+void compute(compute_t<T>* losses, compute_t<T>* logsumexp, T* dx, T* dw, T* db, const compute_t<T>* row_weight,
+             const T* x, const T* w, const T* b, const int64_t* target, int64_t N, int64_t E, int64_t V,
+             int64_t ignore_index, double label_smoothing) {
   using C = compute_t<T>;
   if constexpr (is_half<T>) {  // in float on float copies, each gradient added (and rounded) once
     const auto xc = converted(x, N * E), wc = converted(w, V * E), bc = converted(b, V);
@@ -376,10 +375,32 @@ void linear_cross_entropy(compute_t<T>* losses, compute_t<T>* logsumexp, T* dx, 
   }
 }
 
+}  // namespace
+
+template <typename T>
+void linear_cross_entropy(compute_t<T>* losses, compute_t<T>* logsumexp, T* dx, T* dw, T* db,
+                          const compute_t<T>* row_weight, const T* x, const T* w, const T* b, const int64_t* target,
+                          int64_t N, int64_t E, int64_t V, int64_t ignore_index, double label_smoothing) {
+  compute<T>(losses, logsumexp, dx, dw, db, row_weight, x, w, b, target, N, E, V, ignore_index, label_smoothing);
+}
+
+template <typename T>
+void linear_cross_entropy_backward(const compute_t<T>* logsumexp, T* dx, T* dw, T* db,
+                                   const compute_t<T>* row_weight, const T* x, const T* w, const T* b,
+                                   const int64_t* target, int64_t N, int64_t E, int64_t V, int64_t ignore_index,
+                                   double label_smoothing) {
+  // (without losses the kernels only read logsumexp: the const_cast writes nothing)
+  compute<T>(nullptr, const_cast<compute_t<T>*>(logsumexp), dx, dw, db, row_weight, x, w, b, target, N, E, V,
+             ignore_index, label_smoothing);
+}
+
 #define INSTANTIATE(T)                                                                                          \
   template void linear_cross_entropy<T>(compute_t<T>*, compute_t<T>*, T*, T*, T*, const compute_t<T>*, const T*, \
                                         const T*, const T*, const int64_t*, int64_t, int64_t, int64_t, int64_t,  \
-                                        double);
+                                        double);                                                                 \
+  template void linear_cross_entropy_backward<T>(const compute_t<T>*, T*, T*, T*, const compute_t<T>*, const T*,  \
+                                                 const T*, const T*, const int64_t*, int64_t, int64_t, int64_t,   \
+                                                 int64_t, double);
 ATTNPP_FOR_ALL_DTYPES(INSTANTIATE)
 
 }  // namespace attnpp::ATTNPP_CPU_NS

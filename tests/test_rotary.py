@@ -374,7 +374,7 @@ def test_position_offset_is_keyword_only():
         AF.rotary_embedding(X, COS, SIN, False, 0)
 
 
-# The binding keeps only the checks memory safety needs (functional.py makes the user-facing ones).
+# The binding keeps only the checks memory safety needs (attnpp.functional makes the user-facing ones).
 def _core_args(**change):
     args = dict(out=np.zeros((2, 3, 5, 8)), input=X, cos=COS, sin=SIN, position_offsets=np.array([0, 5]),
                 interleaved=False)

@@ -6,6 +6,7 @@ import torch
 
 import attnpp
 import attnpp.functional as AF
+import attnpp.functional.attention as AF_attention  # (the module that owns _Problem, patched below)
 from helpers import DTYPES, assert_close, torch_sdpa
 
 
@@ -245,7 +246,7 @@ def test_plain_call_skips_the_general_checks_with_the_same_result(rng, monkeypat
     def refused(*args, **kwargs):
         raise AssertionError("the plain call took the general path")
     with monkeypatch.context() as m:
-        m.setattr(AF, "_Problem", refused)
+        m.setattr(AF_attention, "_Problem", refused)
         plain = AF.scaled_dot_product_attention_forward(q, k, v, **case)
     for ours, theirs in zip(plain[:2], general[:2]):
         assert ours.dtype == theirs.dtype and ours.shape == theirs.shape

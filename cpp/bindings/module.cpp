@@ -298,33 +298,74 @@ void cross_entropy_backward(const py::array& grad_input, const py::array& row_we
 }
 
 // ------------------------------------------------------------------------------------- linear + cross entropy
-void linear_cross_entropy(const py::object& losses, const py::array& logsumexp, const py::object& grad_input,
+// The arrays both entries share: input (N, E), weight (V, E), bias (V,) or None, target (N,) checked against V,
+// the gradients grad_input (N, E) or None, grad_weight (V, E), grad_bias (V,) or None (written), row_weight (N,)
+// or None (copied, see int64_copy). A grad_weight is required with row_weight.
+template <typename T>
+struct FusedLossArrays {
+  using C = compute_t<T>;
+  int64_t N, E, V;
+  std::vector<C> weights;
+  const C* rw;
+  T *dx, *dw, *db;
+  const T *b, *x, *w;
+  std::vector<int64_t> tg;
+
+  FusedLossArrays(const py::object& grad_input, const py::object& grad_weight, const py::object& grad_bias,
+                  const py::object& row_weight, const py::array& input, const py::array& weight,
+                  const py::object& bias, const py::array& target, int64_t* ignore_index) {
+    expect_ndim(input, "input", 2), expect_ndim(weight, "weight", 2);
+    N = input.shape(0), E = input.shape(1), V = weight.shape(0);
+    if (V == 0) throw py::value_error("weight: expected at least one class, got shape " + shape_str(weight));
+    expect_shape(weight, "weight", {V, E});
+    expect_shape(target, "target", {N});
+    const C* given = optional_ptr<C>(row_weight, "row_weight", {N}, false);
+    weights = given ? std::vector<C>(given, given + N) : std::vector<C>();
+    rw = given ? weights.data() : nullptr;
+    dx = optional_ptr<T>(grad_input, "grad_input", {N, E}, true);
+    dw = optional_ptr<T>(grad_weight, "grad_weight", {V, E}, true);
+    db = optional_ptr<T>(grad_bias, "grad_bias", {V}, true);
+    if (rw && !dw) throw py::value_error("grad_weight: required with row_weight");
+    b = optional_ptr<T>(bias, "bias", {V}, false);
+    x = contiguous_ptr<T>(input, "input", false), w = contiguous_ptr<T>(weight, "weight", false);
+    tg = indices(target, "target", V, ignore_index);
+  }
+};
+
+void linear_cross_entropy(const py::array& losses, const py::array& logsumexp, const py::object& grad_input,
                           const py::object& grad_weight, const py::object& grad_bias, const py::object& row_weight,
                           const py::array& input, const py::array& weight, const py::object& bias,
                           const py::array& target, int64_t ignore_index, double label_smoothing) {
   dispatch(input, "input", [&](auto t) {
     using T = typename decltype(t)::type;
     using C = compute_t<T>;
-    expect_ndim(input, "input", 2), expect_ndim(weight, "weight", 2);
-    const int64_t N = input.shape(0), E = input.shape(1), V = weight.shape(0);
-    if (V == 0) throw py::value_error("weight: expected at least one class, got shape " + shape_str(weight));
-    expect_shape(weight, "weight", {V, E});
-    expect_shape(target, "target", {N});
-    C* l = optional_ptr<C>(losses, "losses", {N}, true);
-    expect_shape(logsumexp, "logsumexp", {N});
-    C* lse = contiguous_ptr<C>(logsumexp, "logsumexp", l != nullptr);
-    const C* rw = optional_ptr<C>(row_weight, "row_weight", {N}, false);
-    const std::vector<C> weights = rw ? std::vector<C>(rw, rw + N) : std::vector<C>();  // (see int64_copy)
-    T* dx = optional_ptr<T>(grad_input, "grad_input", {N, E}, true);
-    T* dw = optional_ptr<T>(grad_weight, "grad_weight", {V, E}, true);
-    T* db = optional_ptr<T>(grad_bias, "grad_bias", {V}, true);
-    if (rw && !dw) throw py::value_error("grad_weight: required with row_weight");
-    const T* b = optional_ptr<T>(bias, "bias", {V}, false);
-    const T *x = contiguous_ptr<T>(input, "input", false), *w = contiguous_ptr<T>(weight, "weight", false);
-    const auto tg = indices(target, "target", V, &ignore_index);
+    FusedLossArrays<T> a(grad_input, grad_weight, grad_bias, row_weight, input, weight, bias, target,
+                         &ignore_index);
+    expect_shape(losses, "losses", {a.N});
+    expect_shape(logsumexp, "logsumexp", {a.N});
+    C* l = contiguous_ptr<C>(losses, "losses", true);
+    C* lse = contiguous_ptr<C>(logsumexp, "logsumexp", true);
     py::gil_scoped_release release;
-    kernels<T>().linear_cross_entropy(l, lse, dx, dw, db, rw ? weights.data() : nullptr, x, w, b, tg.data(), N, E,
-                                      V, ignore_index, label_smoothing);
+    kernels<T>().linear_cross_entropy(l, lse, a.dx, a.dw, a.db, a.rw, a.x, a.w, a.b, a.tg.data(), a.N, a.E, a.V,
+                                      ignore_index, label_smoothing);
+  });
+}
+
+void linear_cross_entropy_backward(const py::array& logsumexp, const py::object& grad_input,
+                                   const py::object& grad_weight, const py::object& grad_bias,
+                                   const py::array& row_weight, const py::array& input, const py::array& weight,
+                                   const py::object& bias, const py::array& target, int64_t ignore_index,
+                                   double label_smoothing) {
+  dispatch(input, "input", [&](auto t) {
+    using T = typename decltype(t)::type;
+    using C = compute_t<T>;
+    FusedLossArrays<T> a(grad_input, grad_weight, grad_bias, row_weight, input, weight, bias, target,
+                         &ignore_index);
+    expect_shape(logsumexp, "logsumexp", {a.N});
+    const C* lse = contiguous_ptr<C>(logsumexp, "logsumexp", false);
+    py::gil_scoped_release release;
+    kernels<T>().linear_cross_entropy_backward(lse, a.dx, a.dw, a.db, a.rw, a.x, a.w, a.b, a.tg.data(), a.N, a.E,
+                                               a.V, ignore_index, label_smoothing);
   });
 }
 
@@ -406,17 +447,16 @@ py::array empty(const std::vector<py::ssize_t>& shape, const py::dtype& dtype) {
   return py::array(dtype, shape, data, owner);
 }
 
-// sdpa_forward of the commonest call, its checks and allocations in one step (functional.py's plain path): a
+// sdpa_forward of the commonest call, its checks and allocations in one step (functional's plain path): a
 // decoding step calls the attention once per layer per token, its Python code gone cold from the caches in
 // between; in a transformers model's decoding, the Python path's checks and allocations took ~60 us of attnpp's
 // ~200 us attention call. The call: query (N, Hq, L, D), key (N, Hk, S, D), value (N, Hk, S, Dv) ndarrays (not
-// subclasses) of one dtype of the four, their rows contiguous; Hk = Hq, or a divisor of it with enable_gqa;
-// dropout_p 0 (a float or an int); is_causal and enable_gqa bools; scale None (1 / sqrt(D)) or a float;
-// causal_alignment "top_left" or "bottom_right". Returns (out, logsumexp), out from the pool; None for any other
-// call, which takes functional.py's general path (and its errors).
+// subclasses) of one dtype of the four, their rows contiguous; Hk = Hq, or a divisor of it with enable_gqa (a
+// bool); dropout_p 0 (a float or an int). The scale and the causal mode are functional's (score_scale,
+// causal_mode: decided there, not restated here). Returns (out, logsumexp), out from the pool; None for any other
+// call, which takes functional's general path (and its errors).
 py::object sdpa_forward_plain(const py::object& query, const py::object& key, const py::object& value,
-                              const py::object& dropout_p, const py::object& is_causal, const py::object& scale,
-                              const py::object& enable_gqa, const py::object& causal_alignment,
+                              const py::object& dropout_p, Causal causal, double scale, const py::object& enable_gqa,
                               Bfloat16Numerics bfloat16_numerics) {
   PyTypeObject* ndarray = py::detail::npy_api::get().PyArray_Type_;
   for (const py::object* x : {&query, &key, &value})
@@ -435,21 +475,16 @@ py::object sdpa_forward_plain(const py::object& query, const py::object& key, co
       !(Hk == Hq || (gqa && Hk > 0 && Hq % Hk == 0)))
     return py::none();
   if (!(PyFloat_CheckExact(dropout_p.ptr()) || PyLong_CheckExact(dropout_p.ptr())) ||
-      PyObject_IsTrue(dropout_p.ptr()) != 0 || !PyBool_Check(is_causal.ptr()) || !PyBool_Check(enable_gqa.ptr()) ||
-      !(scale.is_none() || PyFloat_CheckExact(scale.ptr())) || !PyUnicode_CheckExact(causal_alignment.ptr()))
+      PyObject_IsTrue(dropout_p.ptr()) != 0 || !PyBool_Check(enable_gqa.ptr()))
     return py::none();
-  const std::string alignment = causal_alignment.cast<std::string>();
-  if (alignment != "top_left" && alignment != "bottom_right") return py::none();
   for (const py::array* x : {&q, &k, &v})
     if (x->shape(3) > 1 && x->strides(3) != x->itemsize()) return py::none();
   // (more elements than any array holds: the general path raises numpy's MemoryError)
   const __int128 elements = __int128(N) * Hq * std::max(L, S) * std::max({L, S, D, Dv, int64_t(1)});
   if (elements > std::numeric_limits<py::ssize_t>::max() / 8) return py::none();
   AttentionParams params;
-  // (functional.score_scale's rule, which the general path applies: 1 when D = 0, where every q k^T is 0)
-  params.scale = D == 0 ? 1.0 : scale.is_none() ? 1.0 / std::sqrt(double(D)) : scale.cast<double>();
-  if (is_causal.ptr() == Py_True)
-    params.causal = alignment == "top_left" ? Causal::top_left : Causal::bottom_right;
+  params.scale = scale;
+  params.causal = causal;
   params.bfloat16_numerics = bfloat16_numerics;
   py::array out = empty({N, Hq, L, Dv}, dtype);
   py::array logsumexp(half ? dtype_of<float>() : dtype, std::vector<py::ssize_t>{N, Hq, L});
@@ -556,10 +591,9 @@ PYBIND11_MODULE(_core, m) {
   m.def("sdpa_forward_plain", &sdpa_forward_plain,
         "sdpa_forward of the commonest call in one step: (out, logsumexp) of query (N, Hq, L, D), key (N, Hk, S, D), "
         "value (N, Hk, S, Dv) ndarrays of one dtype with contiguous rows, Hk = Hq or a divisor of it with "
-        "enable_gqa, dropout_p 0, is_causal and enable_gqa bools, scale None or a float, causal_alignment "
-        "'top_left' or 'bottom_right'; None for any other call.",
-        py::arg("query"), py::arg("key"), py::arg("value"), py::arg("dropout_p"), py::arg("is_causal"),
-        py::arg("scale"), py::arg("enable_gqa"), py::arg("causal_alignment"), py::arg("bfloat16_numerics"));
+        "enable_gqa (a bool), dropout_p 0, with the causal mode and the scale given; None for any other call.",
+        py::arg("query"), py::arg("key"), py::arg("value"), py::arg("dropout_p"), py::arg("causal"),
+        py::arg("scale"), py::arg("enable_gqa"), py::arg("bfloat16_numerics"));
   m.def("sdpa_backward", &sdpa_backward,
         "Attention backward: adds the gradients into grad_query (N, Hq, L, D), grad_key (N, Hk, S, D), grad_value "
         "(N, Hk, S, Dv) and grad_sinks (Hq,) or None, from grad_output and out (N, Hq, L, Dv), logsumexp (N, Hq, L) "
@@ -616,10 +650,17 @@ PYBIND11_MODULE(_core, m) {
         py::arg("grad_input"), py::arg("row_weight"), py::arg("stats"), py::arg("input"), py::arg("target"));
   m.def("linear_cross_entropy", &linear_cross_entropy,
         "Fused cross_entropy(input (N, E) @ weight (V, E).T + bias (V,) or None, target (N,) int64) with label "
-        "smoothing, over chunks of rows: with losses (N,), writes the per-row losses (0 where ignored) and "
-        "logsumexp (N,); without (None), reads logsumexp. With row_weight (N,), adds the gradients into "
-        "grad_input (N, E) or None, grad_weight (V, E) and grad_bias (V,) or None.",
+        "smoothing, over chunks of rows: writes the per-row losses (N,) (0 where ignored) and logsumexp (N,). With "
+        "row_weight (N,), also adds the gradients into grad_input (N, E) or None, grad_weight (V, E) and grad_bias "
+        "(V,) or None in the same pass.",
         py::arg("losses"), py::arg("logsumexp"), py::arg("grad_input"), py::arg("grad_weight"), py::arg("grad_bias"),
+        py::arg("row_weight"), py::arg("input"), py::arg("weight"), py::arg("bias"), py::arg("target"),
+        py::arg("ignore_index"), py::arg("label_smoothing"));
+  m.def("linear_cross_entropy_backward", &linear_cross_entropy_backward,
+        "Backward of linear_cross_entropy: each chunk's logits recomputed from the forward's logsumexp (N,), the "
+        "gradients of the losses weighted by row_weight (N,) added into grad_input (N, E) or None, grad_weight "
+        "(V, E) and grad_bias (V,) or None.",
+        py::arg("logsumexp"), py::arg("grad_input"), py::arg("grad_weight"), py::arg("grad_bias"),
         py::arg("row_weight"), py::arg("input"), py::arg("weight"), py::arg("bias"), py::arg("target"),
         py::arg("ignore_index"), py::arg("label_smoothing"));
   m.def("sgd_step", &sgd_step,

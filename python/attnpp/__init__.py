@@ -55,13 +55,13 @@ def set_bfloat16_attention(numerics):
     Raises:
         ValueError: ``numerics`` not one of the three names.
     """
-    functional._BFLOAT16_NUMERICS = getattr(_core.Bfloat16Numerics,
-                                            check_choice(numerics, "numerics", _BFLOAT16_NUMERICS))
+    functional._args._BFLOAT16_NUMERICS = getattr(_core.Bfloat16Numerics,
+                                                  check_choice(numerics, "numerics", _BFLOAT16_NUMERICS))
 
 
 def get_bfloat16_attention():
     """The setting of ``set_bfloat16_attention``: ``"pytorch"`` (the default), ``"flash"`` or ``"float32"``."""
-    return functional._BFLOAT16_NUMERICS.name
+    return functional._args._BFLOAT16_NUMERICS.name
 
 
 def cpu_capability():

@@ -268,6 +268,23 @@ def check_bool(value, name):
     return bool(value)
 
 
+def check_rotary_base(base, name):
+    """``base`` (RoPE's base of frequencies, ``rope_theta``) as a finite float > 0, else TypeError/ValueError naming
+    ``name``."""
+    if not is_real(base):
+        raise TypeError(f"{name}: expected a float, got {type(base).__name__}")
+    if not (math.isfinite(base) and base > 0):
+        raise ValueError(f"{name} must be finite and > 0, got {base!r}")
+    return float(base)
+
+
+def check_written(array, name):
+    """``array`` if it is C-contiguous and writeable (an output the call writes in place), else ValueError."""
+    if not array.flags.c_contiguous or not array.flags.writeable:
+        raise ValueError(f"{name}: expected a C-contiguous, writeable array (written in place)")
+    return array
+
+
 def check_window(window):
     """``window`` as (left, right) ints >= -1 (-1: unbounded on that side), or None; else TypeError/ValueError."""
     if window is None:

@@ -107,16 +107,14 @@ def sdpa_forward_plain(
     key: Any,
     value: Any,
     dropout_p: Any,
-    is_causal: Any,
-    scale: Any,
+    causal: Causal,
+    scale: float,
     enable_gqa: Any,
-    causal_alignment: Any,
     bfloat16_numerics: Bfloat16Numerics,
 ) -> Optional[tuple]:
     """sdpa_forward of the commonest call in one step: (out, logsumexp) of query (N, Hq, L, D), key (N, Hk, S, D),
-    value (N, Hk, S, Dv) ndarrays of one dtype with contiguous rows, Hk = Hq or a divisor of it with enable_gqa,
-    dropout_p 0, is_causal and enable_gqa bools, scale None or a float, causal_alignment 'top_left' or
-    'bottom_right'; None for any other call."""
+    value (N, Hk, S, Dv) ndarrays of one dtype with contiguous rows, Hk = Hq or a divisor of it with enable_gqa (a
+    bool), dropout_p 0, with the causal mode and the scale given (functional's); None for any other call."""
 
 def sdpa_backward(
     grad_query: _FloatArray,
@@ -212,7 +210,7 @@ def cross_entropy_backward(
     """grad_input (N, C) of the losses weighted by row_weight (N,), from cross_entropy_forward's stats (N, 2)."""
 
 def linear_cross_entropy(
-    losses: _FloatArray | None,
+    losses: _FloatArray,
     logsumexp: _FloatArray,
     grad_input: _FloatArray | None,
     grad_weight: _FloatArray | None,
@@ -226,7 +224,23 @@ def linear_cross_entropy(
     label_smoothing: float,
 ) -> None:
     """Fused cross_entropy(input (N, E) @ weight (V, E).T + bias, target (N,)) over chunks of rows: losses and
-    logsumexp (N,) written (or logsumexp read when losses is None); with row_weight, the gradients added."""
+    logsumexp (N,) written; with row_weight, the gradients added in the same pass."""
+
+def linear_cross_entropy_backward(
+    logsumexp: _FloatArray,
+    grad_input: _FloatArray | None,
+    grad_weight: _FloatArray,
+    grad_bias: _FloatArray | None,
+    row_weight: _FloatArray,
+    input: _FloatArray,
+    weight: _FloatArray,
+    bias: _FloatArray | None,
+    target: _IndexArray,
+    ignore_index: int,
+    label_smoothing: float,
+) -> None:
+    """Backward of linear_cross_entropy: each chunk's logits recomputed from logsumexp (N,), the gradients of the
+    losses weighted by row_weight (N,) added into grad_input (N, E) or None, grad_weight and grad_bias or None."""
 
 def sgd_step(
     params: List[_FloatArray],

@@ -181,7 +181,7 @@ def attention_layer_reference(layer, x, context, kpm, keep_attn=None, keep_out=N
 
 # -------------------------------------------------------------------------------------------- the articles
 # Each class follows its article's (signature, parameter names, buffers, algorithm), so that its state_dict() is
-# the article's; attnpp.nn.Attention loads it unchanged (nn/attention.py's table of article layouts).
+# the article's; attnpp.nn.Attention loads it unchanged (nn/weight_loading.py's table of article layouts).
 def _triu(n, dtype=None):
     """(n, n): ones strictly above the diagonal (the articles' causal-mask buffers)."""
     return torch.triu(torch.ones(n, n, dtype=dtype), diagonal=1)

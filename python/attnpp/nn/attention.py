@@ -1,213 +1,26 @@
-import inspect
-import math
-from collections.abc import Mapping
-
+"""``attnpp.nn.Attention``, the general attention layer: its forward, KV-cache decoding and backward. Its
+configuration checks are in attention_config.py, its weight loading in weight_loading.py."""
 import numpy as np
 
 from .. import _core
 from .. import _checks as checks
 from .. import functional as F
+from .._pool import empty, zeros
+from ..functional.rotary import ROTARY_BASE
 from ..grad_mode import no_grad
+from .attention_config import (attention_config, attention_config_of,  # noqa: F401 (importable from here too)
+                               cached_rotary_tables, variant_args)
 from .dropout import Dropout
 from .kv_cache import KVCache
 from .linear import Linear
-from .module import IncompatibleKeys, Module, locked, to_numpy
+from .module import Module, locked
+from .weight_loading import WeightLoading
 
-_LAYOUTS = ("linear", "matmul")
-
-# The reference articles' state-dict layouts that ``Attention.load_state_dict`` reads (besides attnpp's own keys):
-# the one table of them. Per layout: the article, its classes, and
-#   keys: article key -> (loader, argument, targets): the value goes to ``self.<loader>(<argument>=value)``
-#         (with the loader's fixed options, ``_LOADER_OPTIONS``); ``targets`` are the attnpp parameters it fills,
-#         and the key is expected exactly when the layer has them (a bias on or off, an output projection or
-#         not). "{h}" in a key stands for each head 0 .. num_heads - 1 (the list of heads goes to load_heads).
-#   mask: (buffer name, its leading singleton dimensions) of the article's causal-mask buffer, or None. It is
-#         checked, not ignored: it must be the triangle the layer's ``causal`` implies over the buffer's size
-#         (see ``Attention._check_mask_buffer``); a causal layer expects it.
-_QKV = ("q_proj.weight", "k_proj.weight", "v_proj.weight")
-_QKV_BIAS = ("q_proj.bias", "k_proj.bias", "v_proj.bias")
-_ARTICLE_LAYOUTS = (
-    {"article": "003", "classes": "SingleHeadAttention, MultiHeadAttention, BidirectionalAttention, CausalAttention",
-     "keys": {"Wqkv.weight": ("load_fused_qkv", "weight", _QKV),            # (2 qk_dim + v_dim, E), rows [q|k|v]
-              "Wqkv.bias": ("load_fused_qkv", "bias", _QKV_BIAS),
-              "Wo.weight": ("load_projections", "out", ("out_proj.weight",)),
-              "Wo.bias": ("load_projections", "out_bias", ("out_proj.bias",))},
-     "mask": ("causal_mask", (1, 1))},                                      # bool (1, 1, n, n)
-    {"article": "003", "classes": "CausalCrossAttention",
-     "keys": {"Wq.weight": ("load_projections", "q", ("q_proj.weight",)),
-              "Wq.bias": ("load_projections", "q_bias", ("q_proj.bias",)),
-              "Wkv.weight": ("load_fused_kv", "weight", _QKV[1:]),          # (qk_dim + v_dim, kv_dim), rows [k|v]
-              "Wkv.bias": ("load_fused_kv", "bias", _QKV_BIAS[1:]),
-              "Wo.weight": ("load_projections", "out", ("out_proj.weight",)),
-              "Wo.bias": ("load_projections", "out_bias", ("out_proj.bias",))},
-     "mask": ("causal_mask", (1, 1))},
-    {"article": "004", "classes": "MultiHeadAttention",
-     "keys": {"W_query.weight": ("load_projections", "q", _QKV[:1]),
-              "W_key.weight": ("load_projections", "k", _QKV[1:2]),
-              "W_value.weight": ("load_projections", "v", _QKV[2:]),
-              "W_query.bias": ("load_projections", "q_bias", _QKV_BIAS[:1]),
-              "W_key.bias": ("load_projections", "k_bias", _QKV_BIAS[1:2]),
-              "W_value.bias": ("load_projections", "v_bias", _QKV_BIAS[2:]),
-              "out_proj.weight": ("load_projections", "out", ("out_proj.weight",)),
-              "out_proj.bias": ("load_projections", "out_bias", ("out_proj.bias",))},
-     "mask": ("mask", ())},                                                 # float (n, n)
-    {"article": "000", "classes": "SelfAttention, CausalSelfAttention, MultiheadAttention",
-     "keys": {"w_q.weight": ("load_projections", "q", _QKV[:1]),
-              "w_k.weight": ("load_projections", "k", _QKV[1:2]),
-              "w_v.weight": ("load_projections", "v", _QKV[2:]),
-              "w_q.bias": ("load_projections", "q_bias", _QKV_BIAS[:1]),
-              "w_k.bias": ("load_projections", "k_bias", _QKV_BIAS[1:2]),
-              "w_v.bias": ("load_projections", "v_bias", _QKV_BIAS[2:]),
-              "out_proj.weight": ("load_projections", "out", ("out_proj.weight",)),
-              "out_proj.bias": ("load_projections", "out_bias", ("out_proj.bias",))},
-     "mask": ("causal_mask", ())},                                          # float (n, n)
-    {"article": "002", "classes": "SelfAttention, CrossAttention",
-     "keys": {"W_query": ("load_projections/matmul", "q", _QKV[:1]),        # (in, out): x @ W
-              "W_key": ("load_projections/matmul", "k", _QKV[1:2]),
-              "W_value": ("load_projections/matmul", "v", _QKV[2:])},
-     "mask": None},
-    {"article": "002", "classes": "MultiHeadAttentionWrapper",
-     "keys": {"heads.{h}.W_query": ("load_heads", "q", _QKV[:1]),           # head h: (in, d), x @ W
-              "heads.{h}.W_key": ("load_heads", "k", _QKV[1:2]),
-              "heads.{h}.W_value": ("load_heads", "v", _QKV[2:])},
-     "mask": None},
-)
-_ABSENT = object()  # a fused weight that load_state_dict(strict=False) was not given (its bias was)
-# a loader name -> (method, fixed keyword arguments)
-_LOADER_OPTIONS = {"load_projections": ("load_projections", {}), "load_fused_qkv": ("load_fused_qkv", {}),
-                   "load_fused_kv": ("load_fused_kv", {}),
-                   "load_projections/matmul": ("load_projections", {"layout": "matmul"}),
-                   "load_heads": ("load_heads", {"layout": "matmul"})}
+# (attnpp.torch imports the layer's cache of RoPE tables under its former name, from here)
+rotary_tables = cached_rotary_tables
 
 
-def attention_config(embed_dim, num_heads=1, qk_dim=None, v_dim=None, kv_dim=None, out_dim=None, out_proj=True,
-                     causal=False, causal_alignment="top_left", attn_dropout=0.0, out_dropout=0.0, scale=None,
-                     context_length=None, *, window=None, alibi=False, softcap=None, sinks=False, rotary=False,
-                     rotary_dim=None, rotary_base=10000.0, rotary_interleaved=False):
-    """The checked widths and options of an ``Attention`` layer (also ``attnpp.torch.Attention``'s), defaults
-    filled in: a dict of embed_dim, num_heads, qk_dim, v_dim, kv_dim, out_dim, causal, causal_alignment,
-    attn_dropout, out_dropout, scale, context_length, window ((left, right) or None), alibi_slopes (float64
-    ndarray (H,) or None), softcap (float or None), sinks (bool: the layer learns a sink logit per head), rotary
-    (bool), rotary_dim (int or None), rotary_base and rotary_interleaved. Raises as ``Attention`` says."""
-    E = checks.check_int(embed_dim, "embed_dim", 1)
-    H = checks.check_int(num_heads, "num_heads", 1)
-    qk_dim = E if qk_dim is None else checks.check_int(qk_dim, "qk_dim", 1)
-    v_dim = qk_dim if v_dim is None else checks.check_int(v_dim, "v_dim", 1)
-    for name, width in (("qk_dim", qk_dim), ("v_dim", v_dim)):
-        if width % H:
-            raise ValueError(f"{name} must be divisible by num_heads, got {name}={width}, num_heads={H}")
-    F.causal_mode(causal, causal_alignment)  # (ValueError for an unknown alignment)
-    out_dim = None if out_dim is None else checks.check_int(out_dim, "out_dim", 1)
-    if not checks.check_bool(out_proj, "out_proj") and out_dim is not None and out_dim != v_dim:
-        raise ValueError(f"out_dim={out_dim} needs out_proj=True (without it the output width is v_dim)")
-    scale = checks.check_scale(scale)
-    if context_length is not None:
-        context_length = checks.check_int(context_length, "context_length", 1)
-    return dict(embed_dim=E, num_heads=H, qk_dim=qk_dim, v_dim=v_dim,
-                kv_dim=E if kv_dim is None else checks.check_int(kv_dim, "kv_dim", 1),
-                out_dim=v_dim if out_dim is None or not out_proj else out_dim,
-                causal=checks.check_bool(causal, "causal"), causal_alignment=causal_alignment,
-                attn_dropout=checks.check_probability(attn_dropout, "attn_dropout"),
-                out_dropout=checks.check_probability(out_dropout, "out_dropout"),
-                scale=(qk_dim // H) ** -0.5 if scale is None else scale,
-                context_length=context_length,
-                window=checks.check_window(window), alibi_slopes=_alibi_slopes(alibi, H),
-                softcap=checks.check_softcap(softcap), sinks=checks.check_bool(sinks, "sinks"),
-                **_rotary_config(rotary, rotary_dim, rotary_base, rotary_interleaved, qk_dim // H))
-
-
-def attention_config_of(arguments):
-    """``attention_config`` of a layer constructor's arguments (its ``locals()``: ``Attention``'s and
-    ``attnpp.torch.Attention``'s, which take the same)."""
-    return attention_config(**{name: arguments[name] for name in _CONFIG_ARGUMENTS})
-
-
-_CONFIG_ARGUMENTS = tuple(inspect.signature(attention_config).parameters)
-
-
-def _alibi_slopes(alibi, num_heads):
-    """The ``alibi`` option as the slopes (H,) float64 (True: ``get_alibi_slopes(H)``), or None (False)."""
-    if isinstance(alibi, (bool, np.bool_)):
-        return F.get_alibi_slopes(num_heads, np.float64) if alibi else None
-    if not isinstance(alibi, (np.ndarray, list, tuple)) and not hasattr(alibi, "__dlpack__"):
-        raise TypeError(f"alibi: expected a bool or an array of num_heads={num_heads} slopes, got "
-                        f"{type(alibi).__name__}")
-    slopes = np.asarray(to_numpy(alibi, "alibi") if hasattr(alibi, "detach") else alibi)
-    if slopes.dtype.kind != "f":
-        raise TypeError(f"alibi: expected float slopes, got dtype {slopes.dtype}")
-    if slopes.shape != (num_heads,):
-        raise ValueError(f"alibi: expected slopes of shape (num_heads,) = ({num_heads},), got {slopes.shape}")
-    if not np.isfinite(slopes).all():
-        raise ValueError(f"alibi: expected finite slopes, got {slopes.tolist()}")
-    return np.array(slopes, dtype=np.float64)
-
-
-def _rotary_config(rotary, rotary_dim, rotary_base, rotary_interleaved, head_dim):
-    """The checked RoPE options: rotary, rotary_dim (default the head width), rotary_base, rotary_interleaved."""
-    rotary = checks.check_bool(rotary, "rotary")
-    rotary_interleaved = checks.check_bool(rotary_interleaved, "rotary_interleaved")
-    if not checks.is_real(rotary_base):
-        raise TypeError(f"rotary_base: expected a float, got {type(rotary_base).__name__}")
-    if not (math.isfinite(rotary_base) and rotary_base > 0):
-        raise ValueError(f"rotary_base must be finite and > 0, got {rotary_base!r}")
-    if not rotary:
-        given = [n for n, v, default in (("rotary_dim", rotary_dim, None), ("rotary_base", rotary_base, 10000.0),
-                                         ("rotary_interleaved", rotary_interleaved, False)) if v != default]
-        if given:
-            raise ValueError(f"{', '.join(given)} given without rotary=True (RoPE is off)")
-        return dict(rotary=False, rotary_dim=None, rotary_base=10000.0, rotary_interleaved=False)
-    if rotary_dim is None:
-        if head_dim % 2:
-            raise ValueError(f"rotary=True: the head width qk_dim / num_heads = {head_dim} is odd; RoPE rotates "
-                             f"pairs of features: give an even rotary_dim < {head_dim}")
-        rotary_dim = head_dim
-    rotary_dim = checks.check_int(rotary_dim, "rotary_dim", 2)
-    if rotary_dim % 2 or rotary_dim > head_dim:
-        raise ValueError(f"rotary_dim must be even and at most the head width qk_dim / num_heads = {head_dim}, "
-                         f"got {rotary_dim}")
-    return dict(rotary=True, rotary_dim=rotary_dim, rotary_base=float(rotary_base),
-                rotary_interleaved=rotary_interleaved)
-
-
-def rotary_tables(layer, positions, dtype):
-    """The (cos, sin) RoPE tables (P, rotary_dim / 2) of ``layer`` (an ``Attention``, attnpp's or attnpp.torch's)
-    in ``dtype``, for at least ``positions`` positions. Kept in ``layer._rotary_tables`` and grown by doubling (up
-    to context_length), so that decoding token by token computes them a few times only."""
-    cache = layer.__dict__.get("_rotary_tables")
-    if cache is None or cache[0].dtype != dtype or cache[0].shape[0] < positions:
-        size = max(positions, 64, 2 * (0 if cache is None else cache[0].shape[0]))
-        if layer.context_length is not None:
-            size = max(positions, min(size, layer.context_length))
-        cache = F.rotary_tables(size, layer.rotary_dim, layer.rotary_base, dtype)
-        layer.__dict__["_rotary_tables"] = cache
-    return cache
-
-
-def variant_args(layer):
-    """The variant options of an ``Attention`` layer (attnpp's or attnpp.torch's) for its ``repr``, as the
-    constructor takes them: ``{name: (value, default)}``."""
-    alibi = layer.alibi_slopes is not None
-    if alibi and not np.array_equal(layer.alibi_slopes, F.get_alibi_slopes(layer.num_heads, np.float64)):
-        alibi = layer.alibi_slopes.tolist()
-    head_dim = layer.qk_dim // layer.num_heads
-    return dict(window=(layer.window, None), alibi=(alibi, False), softcap=(layer.softcap, None),
-                sinks=(layer.sinks is not None, False), rotary=(layer.rotary, False),
-                rotary_dim=(layer.rotary_dim, head_dim if layer.rotary else None),
-                rotary_base=(layer.rotary_base, 10000.0), rotary_interleaved=(layer.rotary_interleaved, False))
-
-
-def _as_array(value, name):
-    """A weight given to a ``load_*`` method (NumPy array or torch tensor) as a floating ndarray, else TypeError
-    naming the argument."""
-    if not isinstance(value, np.ndarray) and not (hasattr(value, "detach") and hasattr(value, "cpu")):
-        raise TypeError(f"{name}: expected an array or tensor, got {type(value).__name__}")
-    value = to_numpy(value, name)
-    if value.dtype.kind != "f":
-        raise TypeError(f"{name}: expected a floating dtype, got {value.dtype}")
-    return value
-
-
-class Attention(Module):
+class Attention(WeightLoading, Module):
     r"""A general attention layer: self- or cross-attention, one or many heads, causal or not.
 
     ``out = out_dropout(Concat_h(softmax(scale * Q_h K_h^T + mask) V_h) W_O^T + b_O)`` with ``Q = x W_Q^T + b_Q``,
@@ -221,7 +34,7 @@ class Attention(Module):
 
     An article layer's ``state_dict()`` also loads unchanged, through ``load_state_dict``, into an ``Attention``
     built to match it (same widths, heads, biases, ``causal`` and ``context_length``): the layout is recognised
-    from the keys and each key goes through the loader above that fits it (one table, ``_ARTICLE_LAYOUTS``):
+    from the keys and each key goes through the loader above that fits it (one table, ``_ARTICLE_LAYOUTS`` in nn/weight_loading.py):
 
     ======= ================================================= ==================================================
     article classes                                           keys
@@ -311,7 +124,7 @@ class Attention(Module):
     def __init__(self, embed_dim, num_heads=1, *, qk_dim=None, v_dim=None, kv_dim=None, out_dim=None, bias=True,
                  out_proj=True, out_bias=None, causal=False, causal_alignment="top_left", attn_dropout=0.0,
                  out_dropout=0.0, scale=None, context_length=None, window=None, alibi=False, softcap=None,
-                 sinks=False, rotary=False, rotary_dim=None, rotary_base=10000.0, rotary_interleaved=False,
+                 sinks=False, rotary=False, rotary_dim=None, rotary_base=ROTARY_BASE, rotary_interleaved=False,
                  dtype=None):
         super().__init__(dtype)
         config = attention_config_of(locals())
@@ -360,7 +173,7 @@ class Attention(Module):
         """RoPE on (B, H, T, d) query or key heads at positions offset .. offset + T - 1 (offset an int or (B,)
         ints), or its backward on their gradient: a new (B, H, T, d) array."""
         rotate = F.rotary_embedding_backward if backward else F.rotary_embedding
-        return rotate(heads, *rotary_tables(self, int(np.max(offset, initial=0)) + heads.shape[2], heads.dtype),
+        return rotate(heads, *cached_rotary_tables(self, int(np.max(offset, initial=0)) + heads.shape[2], heads.dtype),
                       interleaved=self.rotary_interleaved, position_offset=offset)
 
     def __getstate__(self):  # (the RoPE tables are recomputed when needed, not copied)
@@ -419,7 +232,7 @@ class Attention(Module):
         B, L, S = x3.shape[0], x3.shape[1], c3.shape[1]
         H = self.num_heads
         # the weights first: one too large to allocate is a MemoryError before any work, the layer unchanged
-        weights = F._empty((B, H, L, S), self.dtype) if need_weights else None
+        weights = empty((B, H, L, S), self.dtype) if need_weights else None
         masks = []
         if key_padding_mask is not None:
             kpm = F.additive_mask(key_padding_mask, self.dtype, "key_padding_mask", true_means_masked=True)
@@ -433,7 +246,7 @@ class Attention(Module):
         q, k, v = (self._heads(t) for t in (self.q_proj(x3), self.k_proj(c3), self.v_proj(c3)))  # (B, H, T, d)
         if self.rotary:
             q, k = self._rotate(q, 0), self._rotate(k, 0)
-        attn = F._empty((B, L, self.v_dim), self.dtype)
+        attn = empty((B, L, self.v_dim), self.dtype)
         lse = np.empty((B, H, L), checks.compute_dtype(self.dtype))
         _core.sdpa_forward(self._heads(attn), lse, q, k, v, params)
         y = attn if self.out_proj is None else self.out_proj(attn)
@@ -546,7 +359,7 @@ class Attention(Module):
         g = self.out_drop.backward(grad_output if ctx["batched"] else grad_output[None])
         d_attn = g if self.out_proj is None else self.out_proj.backward(g)
         q, k, v = ctx["qkv"]  # (B, H, T, d), as the kernel read them
-        dq, dk, dv = (F._zeros((t.shape[0], t.shape[2], t.shape[1] * t.shape[3]), t.dtype) for t in (q, k, v))
+        dq, dk, dv = (zeros((t.shape[0], t.shape[2], t.shape[1] * t.shape[3]), t.dtype) for t in (q, k, v))
         _core.sdpa_backward(*(self._heads(t) for t in (dq, dk, dv, np.ascontiguousarray(d_attn), ctx["attn"])),
                             ctx["lse"], q, k, v, ctx["params"],
                             grad_sinks=None if self.sinks is None else self.sinks.grad_buffer())
@@ -557,297 +370,6 @@ class Attention(Module):
         if not ctx["batched"]:
             grad_x, grad_c = grad_x[0], grad_c[0]
         return grad_x + grad_c if ctx["self_attention"] else (grad_x, grad_c)
-
-    # ---------------------------------------------------------------------------------------- weight loading
-    def _assign_all(self, pairs, layout="linear"):
-        """Copy (parameter, value, name) triples after checking every shape, so a failed load changes nothing.
-        With ``layout="matmul"`` the values are the transposes of what was given (shapes reported as given)."""
-        checked = []
-        for param, value, name in pairs:
-            if value is None:
-                continue
-            if param is None:
-                raise ValueError(f"{name}: this layer has no such parameter (bias=False or out_proj=False)")
-            value = _as_array(value, name)
-            if value.shape != param.shape:
-                if layout == "matmul":  # (a 1-D bias reads the same)
-                    raise ValueError(f"{name}: expected shape {param.shape[::-1]} (layout='matmul': (in, out)), "
-                                     f"got {value.shape[::-1]}")
-                raise ValueError(f"{name}: expected shape {param.shape}, got {value.shape}")
-            checked.append((param, value))
-        staged = self.__dict__.get("_staged")
-        if staged is not None:  # (inside load_state_dict: copied once every key has been checked)
-            staged.extend(checked)
-            return
-        for param, value in checked:
-            param.data[...] = value
-
-    @staticmethod
-    def _as_linear(weight, layout, name):
-        if layout not in _LAYOUTS:
-            raise ValueError(f"layout must be 'linear' (weight (out, in)) or 'matmul' (x @ W, W (in, out)), "
-                             f"got {layout!r}")
-        if weight is None:
-            return None
-        weight = _as_array(weight, name)
-        return weight.T if layout == "matmul" else weight
-
-    def load_projections(self, q=None, k=None, v=None, out=None, *, q_bias=None, k_bias=None, v_bias=None,
-                         out_bias=None, layout="linear"):
-        """Load the projections from separate weights; those left None are kept.
-
-        Args:
-            q, k, v, out (array or tensor, optional): with ``layout="linear"`` shaped like ``nn.Linear.weight``,
-                (out_features, in_features); with ``layout="matmul"`` the (in, out) matrices of ``x @ W`` (the
-                ``nn.Parameter`` layout of article 002).
-            q_bias, k_bias, v_bias, out_bias (optional): (out_features,).
-            layout (str): ``"linear"`` or ``"matmul"``. Default: ``"linear"``.
-
-        Raises:
-            ValueError: a shape that does not match, a bias the layer does not have, an unknown layout (nothing is
-            loaded then). TypeError: a value that is not a floating array or tensor.
-        """
-        out_lin = self.out_proj
-        self._assign_all([
-            (self.q_proj.weight, self._as_linear(q, layout, "q"), "q"),
-            (self.k_proj.weight, self._as_linear(k, layout, "k"), "k"),
-            (self.v_proj.weight, self._as_linear(v, layout, "v"), "v"),
-            (None if out_lin is None else out_lin.weight, self._as_linear(out, layout, "out"), "out"),
-            (self.q_proj.bias, q_bias, "q_bias"), (self.k_proj.bias, k_bias, "k_bias"),
-            (self.v_proj.bias, v_bias, "v_bias"), (None if out_lin is None else out_lin.bias, out_bias, "out_bias"),
-        ], layout)
-
-    def _split_rows(self, weight, bias, parts, name):
-        widths = [self.qk_dim if p in (self.q_proj, self.k_proj) else self.v_dim for p in parts]
-        inputs = {p.in_features for p in parts}
-        if len(inputs) > 1:
-            raise ValueError(f"{name}: a fused weight needs one input width, but this layer's embed_dim="
-                             f"{self.embed_dim} and kv_dim={self.kv_dim} differ: use load_projections")
-        bounds = np.cumsum([0] + widths)
-        want = (int(bounds[-1]), inputs.pop())
-        pairs = []
-        if weight is not _ABSENT:  # (absent only from load_state_dict(strict=False) given the bias alone)
-            weight = _as_array(weight, name)
-            if weight.shape != want:
-                raise ValueError(f"{name}: expected shape {want}: {want[0]} rows (the outputs {widths} stacked) "
-                                 f"of {want[1]} inputs, got {weight.shape}")
-            pairs = [(p.weight, weight[a:b], name) for p, a, b in zip(parts, bounds[:-1], bounds[1:])]
-        if bias is not None:
-            bias = _as_array(bias, name + " bias")
-            if bias.shape != (bounds[-1],):
-                raise ValueError(f"{name} bias: expected shape ({bounds[-1]},), got {bias.shape}")
-            pairs += [(p.bias, bias[a:b], name + " bias") for p, a, b in zip(parts, bounds[:-1], bounds[1:])]
-        self._assign_all(pairs)
-
-    def load_fused_qkv(self, weight, bias=None):
-        """Load q, k and v from one fused ``nn.Linear`` whose output rows are [q | k | v] (article 003's ``Wqkv``,
-        PyTorch's ``in_proj_weight``).
-
-        Args:
-            weight: (2 * qk_dim + v_dim, E). bias (optional): (2 * qk_dim + v_dim,).
-
-        Raises:
-            ValueError: other shapes, kv_dim != embed_dim, a bias the layer does not have (nothing is loaded
-            then). TypeError: a value that is not a floating array or tensor.
-        """
-        self._split_rows(weight, bias, (self.q_proj, self.k_proj, self.v_proj), "Wqkv")
-
-    def load_fused_kv(self, weight, bias=None):
-        """Load k and v from one fused ``nn.Linear`` whose output rows are [k | v] (article 003's ``Wkv``).
-
-        Args:
-            weight: (qk_dim + v_dim, kv_dim). bias (optional): (qk_dim + v_dim,).
-
-        Raises:
-            ValueError: other shapes, a bias the layer does not have (nothing is loaded then). TypeError: a value
-            that is not a floating array or tensor.
-        """
-        self._split_rows(weight, bias, (self.k_proj, self.v_proj), "Wkv")
-
-    def load_heads(self, q, k, v, layout="matmul"):
-        """Load q, k and v from a list of separate heads (article 002's ``MultiHeadAttentionWrapper``): head h's
-        weights become output columns [h * d, (h + 1) * d) of each projection.
-
-        Args:
-            q, k, v (sequences of H arrays or tensors): per-head weights, (in, d) with ``layout="matmul"``
-                (default) or (d, in) with ``layout="linear"``.
-
-        Raises:
-            ValueError: not H heads, or shapes that do not match (nothing is loaded then). TypeError: heads not
-            given as a sequence of floating arrays or tensors.
-        """
-        stacked = []
-        for name, heads in (("q", q), ("k", k), ("v", v)):
-            if not isinstance(heads, (list, tuple, np.ndarray)) and not hasattr(heads, "detach"):
-                raise TypeError(f"{name}: expected a sequence of {self.num_heads} head weights, got "
-                                f"{type(heads).__name__}")
-            if len(heads) != self.num_heads:
-                raise ValueError(f"{name}: expected {self.num_heads} heads, got {len(heads)}")
-            self._as_linear(None, layout, name)  # (checks the layout)
-            heads = [_as_array(w, name) for w in heads]
-            proj = getattr(self, name + "_proj")
-            d, width = proj.out_features // self.num_heads, proj.in_features
-            want = (width, d) if layout == "matmul" else (d, width)
-            if any(w.shape != want for w in heads):
-                raise ValueError(f"{name}: expected {self.num_heads} heads of shape {want} "
-                                 f"{'(in, d)' if layout == 'matmul' else '(d, in)'}, got shapes "
-                                 f"{[w.shape for w in heads]}")
-            stacked.append(np.concatenate([self._as_linear(w, layout, name) for w in heads], axis=0))
-        self.load_projections(*stacked, layout="linear")
-
-    # ------------------------------------------------------------------------------------------- state dicts
-    def load_state_dict(self, state_dict, strict=True):
-        """Copy values from ``state_dict``: attnpp's own keys (as ``state_dict()`` gives them), or the state dict
-        of a reference article's layer, unchanged, into an ``Attention`` built to match it.
-
-        The layout is recognised from the keys (the one that knows most of them; attnpp's own keys win a tie).
-        Each article key goes through the loader of its parameters (``load_projections``, ``load_fused_qkv``,
-        ``load_fused_kv``, ``load_heads``), as ``_ARTICLE_LAYOUTS`` in this file says:
-
-        ======= ============================================ ======================================================
-        article classes                                      keys (-> attnpp)
-        ======= ============================================ ======================================================
-        003     SingleHeadAttention, MultiHeadAttention,     ``Wqkv.weight/.bias`` (rows [q | k | v]) ->
-                BidirectionalAttention, CausalAttention      q/k/v_proj; ``Wo.weight/.bias`` -> out_proj;
-                                                             buffer ``causal_mask`` (1, 1, n, n), bool
-        003     CausalCrossAttention                         ``Wq.*`` -> q_proj; ``Wkv.weight/.bias`` (rows [k | v])
-                                                             -> k/v_proj; ``Wo.*`` -> out_proj; ``causal_mask``
-        004     MultiHeadAttention                           ``W_query.*``, ``W_key.*``, ``W_value.*`` -> q/k/v_proj;
-                                                             ``out_proj.*`` -> out_proj; buffer ``mask`` (n, n)
-        000     SelfAttention, CausalSelfAttention,          ``w_q.*``, ``w_k.*``, ``w_v.*`` -> q/k/v_proj;
-                MultiheadAttention                           ``out_proj.*`` -> out_proj; buffer ``causal_mask`` (n, n)
-        002     SelfAttention, CrossAttention                ``W_query``, ``W_key``, ``W_value`` (in, out), ``x @ W``
-                                                             -> q/k/v_proj, transposed
-        002     MultiHeadAttentionWrapper                    ``heads.{h}.W_query/W_key/W_value`` (in, d) -> columns
-                                                             [h d, (h + 1) d) of q/k/v_proj
-        ======= ============================================ ======================================================
-
-        A key is expected when the layer has its parameters (``bias``, ``out_bias``, ``out_proj`` as the
-        article's class); a layer with ``sinks`` (which no article has) reports ``"sinks"`` missing (so strict
-        raises, and ``strict=False`` loads the rest and keeps the sinks as they are). The mask buffer is checked,
-        not ignored: 0/1 (or bool) values, the strict upper triangle ``triu(ones(n, n), diagonal=1)`` when the
-        layer is causal (which then expects the buffer) and all zero when it is not, and n equal to
-        ``context_length`` when the layer has one (n is the article's block or context size; for the square
-        masks of self-attention the causal alignment does not matter).
-        ``state_dict()`` keeps returning attnpp's own keys.
-
-        Everything is checked before anything is copied: a failed load leaves the layer unchanged.
-
-        Args:
-            state_dict (Mapping[str, array]): NumPy arrays or torch tensors (a PyTorch layer's ``state_dict()``).
-            strict (bool): refuse missing and unexpected keys. Default: True.
-
-        Returns:
-            ``IncompatibleKeys(missing_keys, unexpected_keys)``, named as the recognised layout names them (empty
-            when strict).
-
-        Raises:
-            ValueError: missing or unexpected keys (strict), a value of another shape (named by its key), a mask
-            buffer that is not the layer's triangle (or not of its context_length).
-            TypeError: a state_dict that is not a mapping, a value that is not a floating array or tensor.
-        """
-        if not isinstance(state_dict, Mapping):
-            return super().load_state_dict(state_dict, strict)
-        layout, keys = self._match_layout(state_dict)
-        if layout is None:
-            return super().load_state_dict(state_dict, strict)
-        params = dict(self.named_parameters())
-        expected = [k for k, (_, _, targets, _) in keys.items() if all(t in params for t in targets)]
-        mask_name, mask_lead = layout["mask"] or (None, None)
-        missing = [k for k in expected if k not in state_dict]
-        if mask_name is not None and self.causal and mask_name not in state_dict:
-            missing.append(mask_name)
-        if self.sinks is not None:  # (no article learns sinks)
-            missing.append("sinks")
-        unexpected = [k for k in state_dict if k not in expected and k != mask_name]
-        what = f"article {layout['article']}'s layout ({layout['classes']})"
-        if strict and (missing or unexpected):
-            raise ValueError(f"load_state_dict: {what}: missing keys {missing}, unexpected keys {unexpected} for "
-                             f"Attention({self.extra_repr()})")
-        if mask_name in state_dict:
-            self._check_mask_buffer(mask_name, state_dict[mask_name], mask_lead)
-        calls = {}  # loader -> its keyword arguments (lists of heads for load_heads)
-        for k in expected:
-            if k in state_dict:
-                loader, arg, _, h = keys[k]
-                kwargs = calls.setdefault(loader, {})
-                if h is None:
-                    kwargs[arg] = state_dict[k]
-                else:
-                    kwargs.setdefault(arg, [None] * self.num_heads)[h] = state_dict[k]
-        with self._lock:
-            staged = []
-            object.__setattr__(self, "_staged", staged)
-            try:
-                for loader, kwargs in calls.items():
-                    method, options = _LOADER_OPTIONS[loader]
-                    given = {keys[k][1]: k if keys[k][3] is None else k.replace(f".{keys[k][3]}.", ".{h}.")
-                             for k in expected if k in state_dict and keys[k][0] == loader}
-                    if method == "load_heads" and (len(kwargs) < 3 or any(
-                            w is None for heads in kwargs.values() for w in heads)):
-                        raise ValueError(f"load_state_dict: {what}: the heads load together, all of "
-                                         f"{[k for k in keys if keys[k][0] == loader]} are needed")
-                    if method in ("load_fused_qkv", "load_fused_kv"):
-                        kwargs.setdefault("weight", _ABSENT)
-                    try:
-                        getattr(self, method)(**kwargs, **options)
-                    except (ValueError, TypeError) as e:  # named by the article's key
-                        name, _, rest = str(e).partition(": ")
-                        arg = {"Wqkv": "weight", "Wkv": "weight", "Wqkv bias": "bias",
-                               "Wkv bias": "bias"}.get(name, name)
-                        key = given.get(arg, "/".join(given.values()))
-                        raise type(e)(f"state_dict[{key!r}] ({what}): {rest or e}") from None
-            finally:
-                object.__delattr__(self, "_staged")
-            for param, value in staged:
-                param.data[...] = value
-        return IncompatibleKeys(missing, unexpected)
-
-    def _match_layout(self, state_dict):
-        """(layout, its keys expanded) of ``_ARTICLE_LAYOUTS`` that knows most keys of ``state_dict``, or
-        (None, None) when attnpp's own keys know as many (or all of them)."""
-        given = set(state_dict)
-        own = {name for name, _ in self._named_state()}
-        best, best_keys, best_score = None, None, len(given & own)
-        if given <= own:
-            return None, None
-        for layout in _ARTICLE_LAYOUTS:
-            keys = {}
-            for key, (loader, arg, targets) in layout["keys"].items():
-                if "{h}" in key:
-                    keys.update({key.format(h=h): (loader, arg, targets, h) for h in range(self.num_heads)})
-                else:
-                    keys[key] = (loader, arg, targets, None)
-            score = len(given & (set(keys) | {(layout["mask"] or ("",))[0]}))
-            if score > best_score:
-                best, best_keys, best_score = layout, keys, score
-        return best, best_keys
-
-    def _check_mask_buffer(self, name, value, lead):
-        """An article's causal-mask buffer against this layer: ValueError unless it is ``lead + (n, n)`` of 0/1,
-        the strict upper triangle if the layer is causal, else all zero, with n = context_length if set."""
-        mask = to_numpy(value, name)
-        n = mask.shape[-1] if mask.ndim else 0
-        want_shape = tuple(lead) + (n, n)
-        if mask.shape != want_shape or n == 0:
-            raise ValueError(f"state_dict[{name!r}]: expected a mask buffer of shape {tuple(lead) + ('n', 'n')}, "
-                             f"got {mask.shape}")
-        if mask.dtype.kind not in "biuf" or not np.isin(mask, (0, 1)).all():
-            raise ValueError(f"state_dict[{name!r}]: expected a 0/1 (or bool) mask, 1 = masked, got other values")
-        got = mask.reshape(n, n).astype(bool)
-        triangle = np.triu(np.ones((n, n), bool), 1)
-        if self.causal and not np.array_equal(got, triangle):
-            raise ValueError(f"state_dict[{name!r}]: this layer is causal, so the mask must be the strict upper "
-                             f"triangle triu(ones({n}, {n}), diagonal=1) (1 = a later key, masked); it differs in "
-                             f"{int((got != triangle).sum())} of {n * n} entries")
-        if not self.causal and got.any():
-            what = "the causal triangle" if np.array_equal(got, triangle) else "not the causal triangle"
-            raise ValueError(f"state_dict[{name!r}]: this layer has causal=False, but the mask masks "
-                             f"{int(got.sum())} of {n * n} entries ({what}); build the layer with causal=True to "
-                             f"load a causal article layer")
-        if self.context_length is not None and n != self.context_length:
-            raise ValueError(f"state_dict[{name!r}]: a {n} x {n} mask (the article's context size) but this "
-                             f"layer has context_length={self.context_length}")
 
     def extra_repr(self):
         E, H = self.embed_dim, self.num_heads

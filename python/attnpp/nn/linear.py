@@ -1,7 +1,7 @@
 import math
 
 from .. import _checks as checks
-from .. import functional as F
+from ..functional.training import linear_backward_unchecked, linear_unchecked
 from .._seeds import generator
 from .module import Module, locked
 
@@ -44,7 +44,7 @@ class Linear(Module):
         if input.shape[-1] != self.in_features:
             raise ValueError(f"input: last dimension must be in_features={self.in_features}, got shape "
                              f"{input.shape}")
-        out = F._linear(input, self.weight.data, None if self.bias is None else self.bias.data)
+        out = linear_unchecked(input, self.weight.data, None if self.bias is None else self.bias.data)
         self._save_context(input=input, out_shape=out.shape)
         return out
 
@@ -52,7 +52,7 @@ class Linear(Module):
     def backward(self, grad_output):
         """grad_output (*, Fout) -> grad_input (*, Fin); accumulates into weight.grad and bias.grad."""
         x = self._consume_context(grad_output)["input"]
-        return F._linear_backward(grad_output, x, self.weight.data, self.weight.grad_buffer(),
+        return linear_backward_unchecked(grad_output, x, self.weight.data, self.weight.grad_buffer(),
                                   None if self.bias is None else self.bias.grad_buffer())
 
     def extra_repr(self):

@@ -5,6 +5,8 @@ import numpy as np
 from .. import _core
 from .. import _checks as checks
 from .. import functional as F
+from .._pool import empty, zeros
+from ..functional.training import linear_backward_unchecked
 from .._seeds import generator
 from .linear import Linear
 from .module import Module, locked
@@ -210,7 +212,7 @@ class MultiheadAttention(Module):
         S_all = S + len(extra)
         full = (B, H, L, S_all)
         # the weights before the attention: one too large to allocate is a MemoryError before any work
-        weights = F._empty((B, L, S_all) if average_attn_weights else full, dt) if need_weights else None
+        weights = empty((B, L, S_all) if average_attn_weights else full, dt) if need_weights else None
         masks = []
         if am is not None:
             masks.append(F.mask_arg(am if am.ndim == 2 else am.reshape(full), full))
@@ -221,7 +223,7 @@ class MultiheadAttention(Module):
         self.last_seed = seed if p > 0 else None
         params = F.attention_params((B,), H, dt, scale=1.0 / math.sqrt(self.head_dim), causal=causal,
                                     dropout_p=p, seed=seed, masks=masks)
-        out = F._empty(q.shape, q.dtype)
+        out = empty(q.shape, q.dtype)
         lse = np.empty((B, H, L), checks.compute_dtype(dt))
         q4, k4, v4, o4 = (self._heads(x, bf) for x in (q, k, v, out))
         _core.sdpa_forward(o4, lse, q4, k4, v4, params)
@@ -258,7 +260,7 @@ class MultiheadAttention(Module):
         q, k, v, out = ctx["proj"]
         bf = ctx["bf"]
         d_out = self.out_proj.backward(grad_output if ctx["batched"] else grad_output[None])
-        dq, dk, dv = (F._zeros(t.shape, t.dtype) for t in (q, k, v))
+        dq, dk, dv = (zeros(t.shape, t.dtype) for t in (q, k, v))
         _core.sdpa_backward(*(self._heads(x, bf) for x in (dq, dk, dv, d_out, out)), ctx["lse"],
                             *(self._heads(x, bf) for x in (q, k, v)), ctx["params"])
         S, axis = ctx["S"], ctx["seq_axis"]
@@ -268,7 +270,7 @@ class MultiheadAttention(Module):
         dk, dv = (np.take(d, np.arange(S), axis=axis) for d in (dk, dv))
         grads = []
         for i, (x, d) in enumerate(((q3, dq), (k3, dk), (v3, dv))):
-            grads.append(F._linear_backward(d, x, self._proj_params(i)[0], *self._proj_params(i, grads=True)))
+            grads.append(linear_backward_unchecked(d, x, self._proj_params(i)[0], *self._proj_params(i, grads=True)))
         return tuple(grads) if ctx["batched"] else tuple(g[0] for g in grads)
 
     def extra_repr(self):

@@ -1,0 +1,1 @@
+"""The binding fuzzer of tools/fuzz.py, by concern (see there)."""
