@@ -95,7 +95,9 @@ def browser_or_skip():
     for flag in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage"):
         options.add_argument(flag)
     options.set_capability("goog:loggingPrefs", {"browser": "ALL"})
-    return webdriver.Chrome(service=Service(executable_path=driver), options=options)
+    # the browser does not run under tools/sanitize.sh's preloaded sanitizer runtime (only Python's processes do)
+    env = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", "ASAN_OPTIONS", "UBSAN_OPTIONS")}
+    return webdriver.Chrome(service=Service(executable_path=driver, env=env), options=options)
 
 
 @pytest.fixture(scope="module")
