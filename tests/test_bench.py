@@ -393,11 +393,12 @@ def test_variant_cases_build_the_sizes_their_names_give(monkeypatch, quick):
     # each build gets its own sizes, whatever names make_cases reuses afterwards (a lambda that read a later-
     # reassigned local once ran the decode case at the varlen case's D); the builders are recorded, not run
     from attnpp import bench
+    from attnpp.bench import variants  # the module whose builds call these names
     size, built = bench.SIZES[quick], []
-    monkeypatch.setattr(bench, "window_calls", lambda *args: built.append(("window", args[:2])))
-    monkeypatch.setattr(bench, "decode_steps", lambda *args: built.append(("decode", args)) or (None, None))
-    monkeypatch.setattr(bench, "varlen_sides", lambda *args: built.append(("varlen", args)))
-    monkeypatch.setattr(bench, "attention_calls", lambda sides, backward: None)
+    monkeypatch.setattr(variants, "window_calls", lambda *args: built.append(("window", args[:2])))
+    monkeypatch.setattr(variants, "decode_steps", lambda *args: built.append(("decode", args)) or (None, None))
+    monkeypatch.setattr(variants, "varlen_sides", lambda *args: built.append(("varlen", args)))
+    monkeypatch.setattr(variants, "attention_calls", lambda sides, backward: None)
     cases = bench.variant_cases(size, quick)
     for case in cases:
         case.build()
@@ -410,3 +411,54 @@ def test_variant_cases_build_the_sizes_their_names_give(monkeypatch, quick):
             (case.name, args)
     B, Hq, Hk, D, S = size["decode"]
     assert f"decode fwd {bench.fmt_shape((B, Hq, 1, D))} GQA {Hk} kv heads, cache {S}+1" in [c.name for c in cases]
+
+
+def test_json_writes_the_machine_and_every_case_as_the_table_shows_it(tmp_path):
+    # a tiny selection, as test_capability_...: the forward kernel cases, the memory case (its own line) and a
+    # FlexAttention case (--quick skips it: a skipped record); 2 repeats
+    import json
+    from attnpp.bench import fmt_time
+    selection = (r"^(sdpa fwd \S+( causal)?|memory sdpa fwd\+bwd \S+ causal"
+                 r"|window fwd \S+ causal w=\d+ vs FlexAttention)$")
+    names = run("--list", "--cases", selection).stdout.splitlines()
+    assert len(names) == 4, names
+    path = tmp_path / "results.json"
+    result = run("--cases", selection, "--repeats", "2", "--json", str(path), "--note", "a test run")
+    assert result.returncode == 0, result.stderr
+    data = json.loads(path.read_text())
+    assert data["format"] == "attnpp-bench-results/1"
+    assert data["command"][-6:] == ["--repeats", "2", "--json", str(path), "--note", "a test run"]
+    machine = data["machine"]
+    assert machine["level"] == {"attnpp": attnpp.cpu_capability(), "torch": torch.backends.cpu.get_cpu_capability()}
+    assert machine["versions"]["attnpp"] == attnpp.__version__ and machine["versions"]["torch"] == torch.__version__
+    assert machine["versions"]["numpy"] == np.__version__
+    assert machine["threads"] == {"attnpp": os.cpu_count(), "torch": os.cpu_count()}
+    assert machine["cpu_model"] in result.stdout and machine["note"] == "a test run"
+    assert "avx2" in machine["simd_flags"] or attnpp.cpu_capability() == "default"
+    assert 0 <= machine["other_processes_load"] <= 1
+    assert data["run"] == {"quick": True, "repeats": 2, "min_sample_s": 0.002}
+    assert [c["name"] for c in data["cases"]] == names
+
+    rows = table_rows(result.stdout)
+    for case in data["cases"]:
+        row = rows[case["name"]]
+        if case["name"].endswith(FLEX):
+            assert case["skipped"].startswith("--quick does not compile FlexAttention"), case
+            assert f"skipped {case['name']}: {case['skipped']}" in result.stdout.splitlines()
+            continue
+        for side, shown in (("attnpp", row[1]), ("torch", row[2])):
+            figures = case[side]
+            assert len(figures["samples_s"]) == 2 and figures["calls_per_sample"] >= 1
+            low, high = figures["iqr_s"]
+            assert low <= figures["median_s"] <= high
+            assert fmt_time(figures["median_s"]) == shown  # the table's time, from the same samples
+        # the ratio of each pair, and the table's median [IQR] of them
+        ratios = np.array(case["torch"]["samples_s"]) / np.array(case["attnpp"]["samples_s"])
+        assert np.isclose(case["ratio"]["median"], np.median(ratios), rtol=1e-12, atol=0)
+        assert row[3] == f"{case['ratio']['median']:.2f} [{case['ratio']['iqr'][0]:.2f}-{case['ratio']['iqr'][1]:.2f}]"
+        assert row[4] == f"{case['attnpp_gflops']:.1f}"
+        assert [row[5], row[6]] == [f"{case[s]['memory_mib']:.1f}" for s in ("attnpp", "torch")] or \
+            case["attnpp"]["memory_mib"] is None
+        if case["name"].startswith("memory"):
+            assert case["line"] in result.stdout.splitlines() and "attnpp temporaries" in case["line"]
+    assert data["sgemm"]["n"] == 256 and data["sgemm"]["gflops"]["PyTorch"] > 0

@@ -60,8 +60,9 @@ class Optimizer:
 
         Raises:
             TypeError: a group that is not a dict, parameters that are not ``attnpp.nn.Parameter``, a
-            hyper-parameter of the wrong type. ValueError: a parameter already in a group (it would be updated
-            twice per step), an empty group, a hyper-parameter out of range, an unknown one.
+                hyper-parameter of the wrong type.
+            ValueError: a parameter already in a group (it would be updated twice per step), an empty group, a
+                hyper-parameter out of range, an unknown one.
         """
         if not isinstance(param_group, dict):
             raise TypeError(f"param_group: expected a dict, got {type(param_group).__name__}")
@@ -147,8 +148,9 @@ class Optimizer:
         copying its values: hyper-parameters per group, and each parameter's state in the parameter's dtype.
 
         Raises:
-            TypeError: not a dict with "state" and "param_groups". ValueError: another number of groups or of
-            parameters in a group, a state array of another shape than its parameter's.
+            TypeError: not a dict with "state" and "param_groups".
+            ValueError: another number of groups or of parameters in a group, a state array of another shape than
+                its parameter's.
         """
         if not isinstance(state_dict, dict) or not {"state", "param_groups"} <= set(state_dict):
             raise TypeError("state_dict: expected a dict with 'state' and 'param_groups' (an optimizer's "
@@ -202,7 +204,7 @@ class SGD(Optimizer):
 
     Raises:
         ValueError: a negative or non-finite hyper-parameter, an empty parameter list or one with a parameter
-        twice, Nesterov without momentum or with dampening.
+            twice, Nesterov without momentum or with dampening.
         TypeError: something other than attnpp parameters, a hyper-parameter that is not a number.
     """
 
@@ -245,7 +247,7 @@ class AdamW(Optimizer):
 
     Raises:
         ValueError: a negative or non-finite hyper-parameter, betas outside [0, 1), an empty parameter list or
-        one with a parameter twice.
+            one with a parameter twice.
         TypeError: something other than attnpp parameters, hyper-parameters that are not numbers.
     """
 

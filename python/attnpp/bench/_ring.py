@@ -11,6 +11,9 @@ import numpy as np
 import torch
 import torch.multiprocessing as mp
 
+from .calls import random_inputs
+from .measure import peak_growth_mib
+
 _POOLS = {}  # world -> Workers, started once per run, stopped at exit
 
 
@@ -18,7 +21,6 @@ def _worker(rank, world, port, conn):
     """One rank: waits for commands on ``conn``: ("setup", shape, layout, is_causal, backward), ("call", measure)
     -> seconds or the peak growth in MiB, ("stop",)."""
     import attnpp
-    from attnpp.bench import peak_growth_mib, random_inputs
     from attnpp.torch.distributed import ring_attention, shard_sequence
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)

@@ -1,0 +1,126 @@
+"""Benchmark: attnpp against PyTorch on the CPU, in one table.
+
+The command line of ``python -m attnpp.bench``: select the cases, run them at a forced CPU level in a child
+process if asked, measure, print the report and write the results file (``--json``)."""
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import torch
+
+import attnpp
+
+from .case import Skipped, Unavailable
+from .config import MEMORY_PAIRS, MKL_INSTRUCTIONS, SIZES, capability_env
+from .machine import background_load, cpu_seconds
+from .measure import measure, sgemm_gflops
+from . import results as results_file
+from .registry import make_cases
+from .report import print_report
+
+
+def select(cases, pattern):
+    """Cases whose name matches ``pattern`` (a regular expression, or a plain substring if it is not one)."""
+    if pattern is None:
+        return cases
+    try:
+        regex = re.compile(pattern, re.IGNORECASE)
+    except re.error:
+        regex = re.compile(re.escape(pattern), re.IGNORECASE)
+    return [c for c in cases if regex.search(c.name)]
+
+
+def run_at_capability(level, argv):
+    """Run this benchmark with ``argv`` in a child process whose libraries load at ``level``; its exit status.
+
+    A child, because each library picks its level once, at import, and this process has imported both. The child
+    inherits stdout and stderr (its progress and table appear as they come) and its environment forces the level
+    (capability_env), so its own ``--capability`` is already met and it runs the table itself. A level the CPU
+    cannot run makes ``import attnpp`` raise ImportError, which ``python -m attnpp.bench`` reports as a traceback
+    before this module runs: a probe imports attnpp in the same environment first, and its message ends this
+    process instead.
+    """
+    env = {**os.environ, **capability_env(level)}
+    probe = subprocess.run([sys.executable, "-c", "import attnpp"], env=env, capture_output=True, text=True)
+    if probe.returncode != 0:
+        lines = probe.stderr.strip().splitlines() or [f"exit status {probe.returncode}"]
+        sys.exit(f"--capability {level}: {lines[-1]}")  # the exception's line, e.g. "ImportError: ..."
+    sys.stdout.flush()
+    child = subprocess.run([sys.executable, "-m", "attnpp.bench", *argv], env=env)
+    if child.returncode < 0:  # killed by a signal (SIGILL: an instruction this CPU lacks); exit as a shell would
+        print(f"--capability {level}: the benchmark died of signal {-child.returncode} "
+              f"({signal.strsignal(-child.returncode)})", file=sys.stderr)
+        return 128 - child.returncode
+    return child.returncode
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(prog="python -m attnpp.bench", description=__doc__.split("\n\n")[0])
+    p.add_argument("--cases", help="run the cases whose name matches this regular expression (or substring)")
+    p.add_argument("--list", action="store_true", help="print the case names and exit")
+    p.add_argument("--threads", type=int, default=os.cpu_count(),
+                   help="threads of both libraries (default: %(default)s)")
+    p.add_argument("--repeats", type=int, help="alternating pairs per case, and training chunks (default 10, "
+                                               f"--quick 3; the memory case at most {MEMORY_PAIRS})")
+    p.add_argument("--quick", action="store_true", help="tiny sizes, 3 repeats, 9 training steps: checks that "
+                                                        "every case kind runs, in seconds")
+    p.add_argument("--capability", choices=list(MKL_INSTRUCTIONS),
+                   help="run the benchmark (the other options passed on) in a child process with attnpp, PyTorch and "
+                        "MKL at this CPU level, e.g. avx2 on an AVX-512 host (default: each library's best level)")
+    p.add_argument("--json", metavar="PATH", help="also write the results to PATH as JSON: the machine (CPU, flags, "
+                                                  "levels, threads, versions) and each case's medians, interquartile "
+                                                  "ranges and ratios (attnpp.bench.results)")
+    p.add_argument("--note", help="a note on the run stored in the --json file's machine record (e.g. a loaded host)")
+    args = p.parse_args(argv)
+    if args.threads < 1 or (args.repeats is not None and args.repeats < 1):
+        p.error("--threads and --repeats must be >= 1")
+    return args
+
+
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = parse_args(argv)
+    # the child of run_at_capability gets the same argv: its environment already forces the level, so it runs here
+    if args.capability and any(os.environ.get(var) != value for var, value in capability_env(args.capability).items()):
+        sys.exit(run_at_capability(args.capability, argv))
+    size = SIZES[args.quick]
+    repeats = args.repeats or size["repeats"]
+    cases = select(make_cases(args.quick, repeats), args.cases)
+    if args.list:
+        print("\n".join(c.name for c in cases))
+        return
+    if not cases:
+        sys.exit(f"no case matches {args.cases!r} (see --list)")
+    torch.set_num_threads(args.threads)
+    attnpp.set_num_threads(args.threads)
+
+    start, cpu_before = time.perf_counter(), cpu_seconds()
+    results = []
+    for i, case in enumerate(cases, 1):
+        print(f"[{i}/{len(cases)}] {case.name} ({time.perf_counter() - start:.0f} s)", file=sys.stderr, flush=True)
+        try:
+            results.append(measure(case, repeats, size["min_sample"]))
+        except Unavailable as missing:  # e.g. the training without tiktoken: the other cases still count
+            results.append(Skipped(case, str(missing)))
+
+    # the limit, measured after the cases so that it runs on the same, already warm machine
+    print(f"[sgemm] float32 {size['sgemm']}^3 through torch.mm and np.matmul ({time.perf_counter() - start:.0f} s)",
+          file=sys.stderr, flush=True)
+    rates, numpy_threads = sgemm_gflops(size["sgemm"], size["min_sample"])
+    load, sgemm = background_load(cpu_before), (size["sgemm"], rates, numpy_threads)
+    print_report(results, repeats, size["min_sample"], args.quick, load, sgemm)
+    if args.json:
+        results_file.write(args.json, results, argv=argv, quick=args.quick, repeats=repeats,
+                           min_sample=size["min_sample"], load=load, sgemm=sgemm, note=args.note)
+        print(f"results written to {args.json}", file=sys.stderr)
+    print(f"total {time.perf_counter() - start:.0f} s", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,124 @@
+"""Measurement: the warm-up, the memory of one call (the growth of the peak resident set), the alternating timed
+samples of each case and the sgemm reference rate."""
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import gc
+import math
+import time
+
+import numpy as np
+import torch
+
+import attnpp
+
+from .case import Result
+from .config import SGEMM_SAMPLES
+
+
+def _status_kib(field):
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise OSError(f"no {field} in /proc/self/status")
+
+
+def _malloc_trim():
+    """Give freed heap pages back to the OS (glibc): pages malloc keeps after earlier calls would be reused by the
+    measured call without raising the resident set, hiding part of its growth."""
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
+def peak_growth_mib(call):
+    """Growth of the peak resident set during one ``call`` (MiB), or None where it cannot be reset (not Linux)."""
+    gc.collect()
+    attnpp.empty_cache()  # memory recycled by attnpp is resident already: count what a cold call needs
+    _malloc_trim()
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # resets VmHWM to the current VmRSS
+        before = _status_kib("VmRSS")
+    except OSError:
+        return None
+    call()
+    return (_status_kib("VmHWM") - before) / 1024
+
+
+def sample(call, n):
+    """Seconds per call, the mean over ``n`` calls in a row; the garbage collector off meanwhile, as timeit does."""
+    gc.disable()
+    try:
+        start = time.perf_counter()
+        for _ in range(n):
+            call()
+        return (time.perf_counter() - start) / n
+    finally:
+        gc.enable()
+
+
+def calibrate(call, min_sample, first):
+    """Calls per sample so that a sample lasts at least ``min_sample`` seconds, from the warm-up call's time
+    ``first``, refined by timing a batch (a first call is often slower than the next ones). A slow call is left
+    at one per sample without being run again."""
+    n, per_call = 1, first
+    for _ in range(2):
+        if n * per_call >= min_sample:
+            break
+        n = math.ceil(min_sample / max(per_call, 1e-9))
+        per_call = sample(call, n)
+    return n
+
+def measure(case, repeats, min_sample):
+    """Warm up each side, measure the memory of one call per side, then time the sides alternately."""
+    sides = case.build()
+    # warm-up: first-call costs (lazy initialisation, thread start, first allocations) stay out of the timings
+    first = [sample(call, 1) for call in sides]
+    memory = tuple(call.peak_growth_mib() if hasattr(call, "peak_growth_mib") else peak_growth_mib(call)
+                   for call in sides)  # (a call run by other processes measures them)
+    calls = tuple(case.calls_per_sample or calibrate(call, min_sample, t) for call, t in zip(sides, first))
+    times = ([], [])
+    for _ in range(case.pairs or repeats):
+        for call, n, out in zip(sides, calls, times):
+            out.append(sample(call, n))
+    return Result(case, times, calls, memory)
+
+
+def sgemm_gflops(n, min_sample, samples=SGEMM_SAMPLES):
+    """GFLOP/s of a float32 (n, n) @ (n, n) product through ``torch.mm`` and ``np.matmul``, and of a bfloat16 one
+    through ``torch.mm`` (2 n^3 flops each): ({"PyTorch": rate, "NumPy": rate, "PyTorch bfloat16": rate}, how
+    NumPy's threads were set, as a phrase for the report).
+
+    The ceiling the attention forward is held against, so it is measured in the same run, on the same threads:
+    PyTorch's as the run set them; NumPy's BLAS limited to them through threadpoolctl if it is installed (it is not
+    a dependency), else on its own default. Each side warms up, then gives the median of ``samples`` samples (a
+    batch lasting at least ``min_sample`` each) in a block of its own, PyTorch first: not alternately as the cases,
+    because OpenBLAS's threads keep spinning for a while after NumPy's product and took the cores from the next
+    ``torch.mm`` (on the 2-core EPYC, PyTorch's rate fell from about 175 to 115 GFLOP/s when alternated; NumPy's
+    barely moved). The outputs are allocated once, so that the samples time the product, not the page faults of a
+    fresh 16 MiB array.
+    """
+    rng = np.random.default_rng(0)
+    a, b = (rng.standard_normal((n, n), dtype=np.float32) for _ in range(2))
+    c, tc = np.empty((n, n), np.float32), torch.empty(n, n, dtype=torch.float32)
+    ta, tb = torch.from_numpy(a), torch.from_numpy(b)
+    ta16, tb16, tc16 = (t.to(torch.bfloat16) for t in (ta, tb, tc))
+    sides = {"PyTorch": lambda: torch.mm(ta, tb, out=tc), "NumPy": lambda: np.matmul(a, b, out=c),
+             "PyTorch bfloat16": lambda: torch.mm(ta16, tb16, out=tc16)}
+    threads = torch.get_num_threads()
+    try:
+        from threadpoolctl import threadpool_limits
+        limit, numpy_threads = threadpool_limits(threads, user_api="blas"), f"NumPy's BLAS on {threads} threads"
+    except ImportError:
+        limit = contextlib.nullcontext()
+        numpy_threads = "NumPy's BLAS on its default threads: threadpoolctl is not installed"
+    rates = {}
+    with limit:
+        for name, call in sides.items():
+            calls = calibrate(call, min_sample, sample(call, 1))  # the first call: the warm-up
+            rates[name] = 2.0 * n ** 3 / np.median([sample(call, calls) for _ in range(samples)]) / 1e9
+    return rates, numpy_threads

@@ -1,0 +1,138 @@
+"""The report: the header (setup and method), the table, the cases' own lines, the targets and the sgemm line."""
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import torch
+
+import attnpp
+
+from .case import Result, Skipped, fmt_time
+from .machine import cpu_model
+from .config import CAPABILITY_VARS, MEMORY_PAIRS, SGEMM_SAMPLES, SGEMM_TARGET
+
+
+def attnpp_gflops(result):
+    """attnpp's GFLOP/s in a case with a flop count (its median call), else None."""
+    return None if result.case.flops is None else result.case.flops / np.median(result.times[0]) / 1e9
+
+
+def ratio_quartiles(result):
+    """25th, 50th and 75th percentiles of the ratios t_PyTorch / t_attnpp, one per alternating pair."""
+    a, t = (np.asarray(x) for x in result.times)
+    return np.percentile(t / a, [25, 50, 75])
+
+
+def row(result):
+    """One table row: name, times, ratio [IQR], GFLOP/s, memory of each side; a skipped case keeps its row."""
+    if isinstance(result, Skipped):
+        return [result.case.name, "skipped", "skipped", "-", "-", "-", "-"]
+    a, t = (np.asarray(x) for x in result.times)
+    q1, med, q3 = ratio_quartiles(result)
+    # the training shows all its steps (sum of the chunks), the other cases the median call
+    shown = [x.sum() * n if result.case.total else np.median(x) for x, n in zip((a, t), result.calls)]
+    gflops = "-" if result.case.flops is None else f"{attnpp_gflops(result):.1f}"
+    mem = ["n/a" if m is None else f"{m:.1f}" for m in result.memory]
+    return [result.case.name, fmt_time(shown[0]), fmt_time(shown[1]), f"{med:.2f} [{q1:.2f}-{q3:.2f}]", gflops, *mem]
+
+
+HEADER = ["case", "attnpp time", "PyTorch time", "ratio [IQR]", "attnpp GFLOP/s", "attnpp MiB", "PyTorch MiB"]
+
+
+def print_table(rows):
+    """Left-aligned names, right-aligned numbers, columns two spaces apart."""
+    widths = [max(len(r[i]) for r in [HEADER] + rows) for i in range(len(HEADER))]
+    for r in [HEADER] + rows:
+        print("  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))))
+
+
+def capability_line():
+    """The CPU level each library runs at, and the variables that forced it (``--capability`` sets all four)."""
+    attnpp_level, torch_level = attnpp.cpu_capability(), torch.backends.cpu.get_cpu_capability()
+    line = f"CPU level: attnpp {attnpp_level}, PyTorch {torch_level}"
+    forced = [f"{var}={os.environ[var]}" for var in CAPABILITY_VARS if var in os.environ]
+    if forced:
+        line += f" (forced: {', '.join(forced)})"
+    aten = os.environ.get("ATEN_CPU_CAPABILITY")
+    if aten and aten.lower() != torch_level.lower():
+        # attnpp refuses a level it cannot run (its import fails); PyTorch only warns and keeps its own
+        line += f"; PyTorch did NOT take ATEN_CPU_CAPABILITY={aten}"
+    return line
+
+
+def sgemm_line(results, n, rates, numpy_threads):
+    """The distance to the limit: the sgemm rates, and attnpp's attention forward GFLOP/s (best and median over the
+    run's ``sdpa fwd`` cases, as the table shows them) as a share of PyTorch's sgemm rate."""
+    line = (f"sgemm float32 {n}x{n} @ {n}x{n} on {torch.get_num_threads()} threads (median of {SGEMM_SAMPLES}): "
+            f"PyTorch {rates['PyTorch']:.1f} GFLOP/s, NumPy {rates['NumPy']:.1f} GFLOP/s ({numpy_threads}) | ")
+    forward = [attnpp_gflops(r) for r in results if isinstance(r, Result) and r.case.vs_sgemm]
+    if not forward:
+        return line + "attnpp sdpa fwd: no such case in this run (see --cases)"
+    best, median = max(forward), float(np.median(forward))
+    share = lambda gflops: f"{gflops / rates['PyTorch']:.0%}"
+    return line + (f"attnpp sdpa fwd over {len(forward)} cases: best {best:.1f} GFLOP/s = {share(best)} of "
+                   f"PyTorch's sgemm, median {median:.1f} GFLOP/s = {share(median)} (the issue's target: >= "
+                   f"{SGEMM_TARGET:.0%})")
+
+
+def bfloat16_gemm_line(results, n, rate):
+    """The bfloat16 GEMM rate through torch.mm beside attnpp's bfloat16 attention forward (best and median of the
+    run's ``sdpa fwd ... bfloat16`` cases)."""
+    line = f"bfloat16 GEMM {n}x{n} @ {n}x{n} through torch.mm: {rate:.1f} GFLOP/s | "
+    forward = [attnpp_gflops(r) for r in results if isinstance(r, Result) and r.case.dtype == "bfloat16"
+               and r.case.name.startswith("sdpa fwd ")]
+    if not forward:
+        return line + "attnpp sdpa fwd bfloat16: no such case in this run (see --cases)"
+    return line + (f"attnpp sdpa fwd bfloat16 over {len(forward)} cases: best {max(forward):.1f} GFLOP/s = "
+                   f"{max(forward) / rate:.0%} of it, median {float(np.median(forward)):.1f} GFLOP/s")
+
+
+def target_line(result):
+    """Whether a case with a target ratio met it."""
+    head = f"target {result.case.name}: "
+    if isinstance(result, Skipped):
+        return head + f"not measured (skipped), issue {result.case.issue}'s target >= {result.case.target}"
+    ratio = ratio_quartiles(result)[1]
+    verdict = "met" if ratio >= result.case.target else f"NOT met ({ratio / result.case.target:.0%} of it)"
+    return head + f"ratio {ratio:.2f}, issue {result.case.issue}'s target >= {result.case.target}: {verdict}"
+
+
+def print_report(results, repeats, min_sample, quick, load, sgemm):
+    """The header (setup and method), the table (``results``: a Result or Skipped per case), a line per skipped
+    case, the cases' own lines (memory, FlexAttention's compile), the targets met or not, the sgemm line (``sgemm``:
+    the arguments of sgemm_line after the results) and the note on the ratios."""
+    print(f"attnpp {attnpp.__version__} vs PyTorch {torch.__version__} (CPU), float32 unless a case names its dtype"
+          f"{' (--quick)' if quick else ''}")
+    print(f"threads: attnpp {attnpp.get_num_threads()}, PyTorch {torch.get_num_threads()} | repeats: {repeats} "
+          f"alternating pairs per case (memory case {min(repeats, MEMORY_PAIRS)}; training {repeats} chunks)")
+    print(f"CPU: {cpu_model()} ({os.cpu_count()} logical CPUs); other processes used "
+          f"{'n/a' if load is None else f'{load:.0%}'} of the CPUs' time during the run")
+    print(capability_line())
+    print(f"times: median per call, a fast call timed as the mean of a batch lasting >= {min_sample * 1e3:.0f} ms "
+          "(training: all steps); forward-only cases under no_grad on both sides (attnpp.no_grad, torch.no_grad); "
+          "the articles' layers in eval mode (dropout off) on both sides")
+    print("MiB: growth of the peak resident set (VmHWM) during one call after warm-up, inputs already allocated "
+          "(temporaries + outputs + gradients)")
+    print()
+    print_table([row(r) for r in results])
+    print()
+    for r in results:
+        if isinstance(r, Skipped):
+            print(f"skipped {r.case.name}: {r.reason}")
+    for r in results:
+        if isinstance(r, Result) and r.case.summary:
+            line = r.case.summary(r)
+            if line:  # (a case that only records a figure for another's line prints nothing)
+                print(line)
+    targeted = [r for r in results if r.case.target is not None]
+    if quick and targeted:
+        print(f"targets: not judged at --quick sizes ({len(targeted)} cases have one at full size)")
+    elif targeted:
+        for r in targeted:
+            print(target_line(r))
+    print(sgemm_line(results, *sgemm))
+    n, rates, _ = sgemm
+    print(bfloat16_gemm_line(results, n, rates["PyTorch bfloat16"]))
+    print("ratio = PyTorch time / attnpp time of each alternating pair (a, t, a, t, ...): median [25th-75th "
+          "percentile] over the pairs; above 1: attnpp faster")

@@ -1,0 +1,71 @@
+"""The results file (``python -m attnpp.bench --json PATH``): the run as data, from which the documentation's
+performance page is built (docs/hooks/performance.py renders docs/results/*.json).
+
+One JSON object::
+
+    {"format": FORMAT, "date": ISO 8601 in UTC, "command": the options,
+     "machine": machine.describe()'s (CPU model, SIMD flags, each library's level and threads, versions, the other
+                processes' load, the run's --note),
+     "run": {"quick", "repeats", "min_sample_s"},
+     "cases": [one record per case, in the table's order (case_record)],
+     "sgemm": {"n", "gflops": {"PyTorch", "NumPy", "PyTorch bfloat16"}, "numpy_threads"}}
+"""
+from __future__ import annotations
+
+import datetime
+import json
+
+import numpy as np
+
+from .case import Skipped
+from .machine import describe
+from .report import attnpp_gflops, ratio_quartiles
+
+FORMAT = "attnpp-bench-results/1"
+
+
+def _quartiles(values):
+    """(25th, 50th, 75th percentile) of ``values`` as floats."""
+    return tuple(float(v) for v in np.percentile(np.asarray(values, dtype=float), [25, 50, 75]))
+
+
+def case_record(result):
+    """One case as data: its name, dtype, target (and the issue that set it), and, if measured, for each side
+    ("attnpp", "torch") the median seconds per call with the interquartile range of the samples, the calls per
+    sample, the peak memory growth (MiB, None where it cannot be measured), then the ratio t_torch / t_attnpp of the
+    alternating pairs (median and quartiles), attnpp's GFLOP/s, whether the target was met, and the case's own
+    line under the table. A skipped case has ``"skipped": reason`` instead of the figures."""
+    case = result.case
+    record = {"name": case.name, "dtype": case.dtype, "target": case.target,
+              "issue": case.issue if case.target is not None else None}
+    if isinstance(result, Skipped):
+        return {**record, "skipped": result.reason}
+    sides = {}
+    for side, times, calls, memory in zip(("attnpp", "torch"), result.times, result.calls, result.memory):
+        q1, median, q3 = _quartiles(times)
+        sides[side] = {"median_s": median, "iqr_s": [q1, q3], "samples_s": [float(t) for t in times],
+                       "calls_per_sample": int(calls), "memory_mib": memory}
+        if case.total:  # the training: all its steps, the sum of the chunks
+            sides[side]["total_s"] = float(np.sum(times)) * calls
+    q1, ratio, q3 = (float(v) for v in ratio_quartiles(result))
+    line = case.summary(result) if case.summary else ""
+    return {**record, **sides, "ratio": {"median": ratio, "iqr": [q1, q3]},
+            "attnpp_gflops": None if case.flops is None else float(attnpp_gflops(result)),
+            "target_met": None if case.target is None else ratio >= case.target,
+            "line": line or None}
+
+
+def write(path, results, *, argv, quick, repeats, min_sample, load, sgemm, note=None):
+    """Write the run (``results``: a Result or Skipped per case; ``sgemm``: (n, rates, NumPy's threads)) to
+    ``path`` as JSON."""
+    n, rates, numpy_threads = sgemm
+    data = {"format": FORMAT,
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "command": ["python", "-m", "attnpp.bench", *argv],
+            "machine": describe(load, note),
+            "run": {"quick": quick, "repeats": repeats, "min_sample_s": min_sample},
+            "cases": [case_record(r) for r in results],
+            "sgemm": {"n": n, "gflops": {k: float(v) for k, v in rates.items()}, "numpy_threads": numpy_threads}}
+    with open(path, "w") as f:
+        json.dump(data, f, indent=1, ensure_ascii=False)
+        f.write("\n")
