@@ -1,0 +1,143 @@
+"""attnpp.torch as a PyTorch operator: PyTorch's CausalBias masks, tensor arguments attnpp must not misread
+(subclasses, views, negative bits, masks requiring grad, meta), the registered operators (opcheck, fake
+kernels), torch.compile, torch.export, torch.func and the error classes, each checked against PyTorch's own
+scaled_dot_product_attention or plain-torch references."""
+import pytest
+import torch
+import torch.nn.functional as TF
+from torch.autograd import gradcheck
+from torch.nn.attention.bias import causal_lower_right, causal_upper_left
+
+import attnpp.torch as at
+from attnpp.torch import _ops
+from helpers import max_rel_err
+
+TOL = {torch.float32: 1e-5, torch.float64: 1e-12}
+f64 = torch.float64
+LS = [(5, 9), (7, 7), (9, 5)]  # L < S, L = S, L > S
+# (PyTorch warns that a lower-right CausalBias with L > S gives NaN; its CPU kernel gives 0 there, as attnpp)
+pytestmark = pytest.mark.filterwarnings("ignore:Lower right causal bias will produce NaNs")
+
+
+def assert_close(ours, ref, what=""):
+    """|ours - ref| <= tol * max(1, max |ref|), tol by dtype (the parity tests' bound)."""
+    assert ours.dtype == ref.dtype and ours.shape == ref.shape, what
+    err = max_rel_err(ours.detach().numpy(), ref.detach().numpy())
+    assert err <= TOL[ref.dtype], f"{what}: relative error {err:.3g} > {TOL[ref.dtype]:g}"
+
+
+def qkv(L, S, dtype=f64, B=2, H=3, D=8, Dv=6, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(*shape, dtype=dtype, generator=g).requires_grad_()
+            for shape in ((B, H, L, D), (B, H, S, D), (B, H, S, Dv))]
+
+
+def assert_same_as_torch(ours_fn, ref_fn, inputs, what=""):
+    """Outputs and the gradients of a random linear function of them equal within the parity tolerance."""
+    ours, ref = ours_fn(*inputs), ref_fn(*inputs)
+    assert_close(ours, ref, f"{what} output")
+    g = torch.randn_like(ref)
+    for i, (a, b) in enumerate(zip(torch.autograd.grad(ours, inputs, g), torch.autograd.grad(ref, inputs, g))):
+        assert_close(a, b, f"{what} grad {i}")
+
+
+# ------------------------------------------------------------------------------------- PyTorch's CausalBias
+@pytest.mark.parametrize("L, S", LS)
+@pytest.mark.parametrize("make_bias", [causal_upper_left, causal_lower_right], ids=["upper_left", "lower_right"])
+@pytest.mark.parametrize("dtype", [torch.float32, f64], ids=str)
+def test_causal_bias_equals_torch(make_bias, L, S, dtype):
+    # PyTorch gives a CausalBias its meaning through __torch_function__; its storage is uninitialised memory.
+    # attnpp reads it as the causal flag and alignment, output and gradients equal to PyTorch's own.
+    bias = make_bias(L, S)
+    assert_same_as_torch(lambda q, k, v: at.scaled_dot_product_attention(q, k, v, attn_mask=bias),
+                         lambda q, k, v: TF.scaled_dot_product_attention(q, k, v, attn_mask=bias),
+                         qkv(L, S, dtype), f"{make_bias.__name__}({L}, {S})")
+
+
+@pytest.mark.parametrize("L, S", LS)
+def test_causal_bias_is_the_causal_flag_not_a_mask(L, S, monkeypatch):
+    # The storage of a CausalBias is never read: poisoned, the result does not change; and the flags are those
+    # of attnpp's own causal options.
+    q, k, v = qkv(L, S)
+    for make_bias, alignment in ((causal_upper_left, "top_left"), (causal_lower_right, "bottom_right")):
+        bias = make_bias(L, S)
+        torch.Tensor.fill_(bias.as_subclass(torch.Tensor), float("nan"))
+        out = at.scaled_dot_product_attention(q, k, v, attn_mask=bias)
+        assert torch.equal(out, at.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                                                causal_alignment=alignment))
+
+
+def test_causal_bias_misuse_refused_as_torch():
+    q, k, v = qkv(5, 9)
+    with pytest.raises(ValueError, match="must not be given with is_causal=True"):
+        at.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(5, 9), is_causal=True)
+    with pytest.raises(ValueError, match="CausalBias should not be used with causal=True"):  # (PyTorch too)
+        TF.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(5, 9), is_causal=True)
+    with pytest.raises(RuntimeError, match=r"CausalBias for \(L, S\) = \(5, 8\)"):
+        at.scaled_dot_product_attention(q, k, v, attn_mask=causal_upper_left(5, 8))
+
+
+class Doubled(torch.Tensor):
+    """A tensor subclass whose meaning is not its memory (as CausalBias)."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        return super().__torch_function__(func, types, args, kwargs or {})
+
+
+@pytest.mark.parametrize("where", ["query", "key", "value", "attn_mask", "sinks", "key_padding_mask"])
+def test_tensor_subclasses_refused_before_their_storage_is_read(where):
+    q, k, v = (t.detach() for t in qkv(5, 9))
+    args = dict(query=q, key=k, value=v, attn_mask=torch.zeros(5, 9, dtype=f64), sinks=torch.zeros(3, dtype=f64),
+                key_padding_mask=torch.zeros(2, 9, dtype=torch.bool))
+    args[where] = args[where].as_subclass(Doubled)
+    with pytest.raises(TypeError, match=f"{where}: attnpp reads plain tensors only, got the tensor subclass"):
+        at.scaled_dot_product_attention(**args)
+    with pytest.raises(RuntimeError, match="attnpp reads"):  # (and the operator itself, called directly)
+        _ops.sdpa_forward(*(args[n] for n in ("query", "key", "value", "attn_mask", "sinks")), None,
+                          args["key_padding_mask"], 0.0, False, None, False, None, "top_left", None, None)
+
+
+def test_subclasses_refused_by_every_entry():
+    x = torch.randn(2, 5, 4).as_subclass(Doubled)
+    w = torch.randn(3, 4)
+    for call in (lambda: at.linear(x, w), lambda: at.linear(torch.randn(2, 4), w.as_subclass(Doubled)),
+                 lambda: at.linear_cross_entropy(torch.randn(6, 4), w, torch.zeros(6, dtype=torch.long).as_subclass(
+                     Doubled)),
+                 lambda: at.MultiheadAttention(4, 2, batch_first=True)(x, x, x),
+                 lambda: at.Attention(4, 2)(x)):
+        with pytest.raises(TypeError, match="attnpp reads plain tensors only"):
+            call()
+
+
+def test_non_contiguous_views_and_negative_bits_read_correctly():
+    # Transposed, sliced and expanded views; tensors whose negative bit is set (torch._neg_view): what they
+    # mean, not their raw memory.
+    g = torch.Generator().manual_seed(3)
+    base = torch.randn(2, 9, 3, 16, dtype=f64, generator=g)
+    q = base[:, :5, :, ::2].transpose(1, 2).requires_grad_()        # (2, 3, 5, 8), strided
+    k = torch._neg_view(torch.randn(2, 3, 9, 8, dtype=f64, generator=g)).requires_grad_()
+    v = torch.randn(1, 3, 9, 6, dtype=f64, generator=g).expand(2, 3, 9, 6).requires_grad_()
+    mask = torch._neg_view(torch.randn(9, 5, dtype=f64, generator=g)).t()
+    assert q.is_contiguous() is False and k.is_neg() and mask.is_neg()
+    assert_same_as_torch(lambda q, k, v: at.scaled_dot_product_attention(q, k, v, attn_mask=mask),
+                         lambda q, k, v: TF.scaled_dot_product_attention(q, k, v, attn_mask=mask.resolve_neg()),
+                         (q, k, v), "views")
+    w = torch._neg_view(torch.randn(7, 8, dtype=f64, generator=g))
+    assert_close(at.linear(q, w), TF.linear(q, w.resolve_neg()), "linear with a negative weight view")
+
+
+def test_meta_tensors_propagate_shapes():
+    m = lambda *s, dtype=torch.float32: torch.empty(*s, device="meta", dtype=dtype)
+    out = at.scaled_dot_product_attention(m(2, 8, 5, 16), m(2, 2, 9, 16), m(2, 2, 9, 4), enable_gqa=True)
+    assert out.is_meta and out.shape == (2, 8, 5, 4)
+    assert at.scaled_dot_product_attention(m(5, 16), m(9, 16), m(9, 4)).shape == (5, 4)
+    out = at.scaled_dot_product_attention(m(3, 1, 2, 5, 16, dtype=torch.bfloat16),
+                                          m(1, 4, 2, 9, 16, dtype=torch.bfloat16),
+                                          m(1, 4, 2, 9, 16, dtype=torch.bfloat16))
+    assert out.shape == (3, 4, 2, 5, 16) and out.dtype == torch.bfloat16
+    assert at.linear(m(3, 7, 4), m(5, 4), m(5)).shape == (3, 7, 5)
+    assert at.linear_cross_entropy(m(6, 4), m(11, 4), torch.empty(6, dtype=torch.long, device="meta")).shape == ()
+    with torch.device("meta"):
+        layer = at.Attention(16, 4, causal=True, rotary=True, sinks=True)
+    assert layer(m(2, 7, 16)).shape == (2, 7, 16)
