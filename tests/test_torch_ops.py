@@ -141,3 +141,146 @@ def test_meta_tensors_propagate_shapes():
     with torch.device("meta"):
         layer = at.Attention(16, 4, causal=True, rotary=True, sinks=True)
     assert layer(m(2, 7, 16)).shape == (2, 7, 16)
+
+
+# --------------------------------------------------------------------------------------- registered operators
+def _attention_args(dtype=f64, L=5, S=9, gqa=False, variants=False, unbatched=False, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    r = lambda *s: torch.randn(*s, dtype=dtype, generator=g)
+    Hk = 2 if gqa else 4
+    if unbatched:
+        q, k, v = r(L, 8), r(S, 8), r(S, 6)
+    else:
+        q, k, v = r(2, 4, L, 8), r(2, Hk, S, 8), r(2, Hk, S, 6)
+    mask = sinks = alibi = kpm = None
+    options = [0.0, False, None, gqa, None, "top_left", None, None]
+    if variants:
+        mask, sinks, alibi = r(L, S), r(4), torch.rand(4, dtype=f64, generator=g)
+        kpm = torch.rand(2, S, generator=g) < 0.2
+        options = [0.0, False, 0.4, gqa, None, "top_left", [3, 1], 5.0]
+    return [q, k, v, mask, sinks, alibi, kpm] + options
+
+
+def _op_cases():
+    """(name, operator, arguments) of each operator, the attention's in several configurations."""
+    cases = []
+    for name, kw in (("plain", {}), ("variants", dict(variants=True)), ("gqa", dict(gqa=True)),
+                     ("unbatched", dict(unbatched=True)), ("float32_causal_bottom_right", dict(dtype=torch.float32))):
+        args = _attention_args(**kw)
+        if name.endswith("bottom_right"):
+            args[8], args[12] = True, "bottom_right"
+        out, lse = _ops.sdpa_forward(*args)
+        cases.append((f"sdpa_forward-{name}", _ops.sdpa_forward, args))
+        cases.append((f"sdpa_backward-{name}", _ops.sdpa_backward, [torch.randn_like(out)] + args[:3] + [out, lse]
+                      + args[3:]))
+        cases.append((f"sdpa_weights-{name}", _ops.sdpa_weights, args[:2] + args[3:7] + [lse] + args[7:]))
+    x, w, b = torch.randn(3, 7, 4), torch.randn(5, 4), torch.randn(5)
+    cases += [("linear", _ops.linear, [x, w, b]), ("linear_nobias", _ops.linear, [x, w, None]),
+              ("linear_backward", _ops.linear_backward, [torch.randn(3, 7, 5), x, w, True, True])]
+    x, w, t = torch.randn(6, 4, dtype=f64), torch.randn(11, 4, dtype=f64), torch.tensor([0, 3, -100, 10, 2, 3])
+    for reduction in ("mean", "sum", "none"):
+        args = [x, w, t, torch.randn(11, dtype=f64), -100, reduction, 0.1, True]
+        loss, lse, *_ = _ops.linear_cross_entropy_forward(*args)
+        cases += [(f"linear_cross_entropy_forward-{reduction}", _ops.linear_cross_entropy_forward, args),
+                  (f"linear_cross_entropy_backward-{reduction}", _ops.linear_cross_entropy_backward,
+                   [torch.randn_like(loss), x, w, t, lse] + args[3:7])]
+    h = torch.randn(2, 3, 7, 8, dtype=f64)
+    cases += [("rotary_embedding", _ops.rotary_embedding, [h, 6, 10000.0, False, 3]),
+              ("rotary_embedding_interleaved", _ops.rotary_embedding, [h[:, :, 1:], 8, 500.0, True, 0]),
+              ("rotary_embedding_backward", _ops.rotary_embedding_backward, [h, 6, 10000.0, False, 3])]
+    return cases
+
+
+OP_CASES = _op_cases()
+DIFFERENTIABLE = {"sdpa_forward": (0, 1, 2, 4), "linear": (0, 1, 2), "linear_cross_entropy_forward": (0, 1, 3),
+                  "rotary_embedding": (0,)}
+
+
+@pytest.mark.parametrize("name, op, args", OP_CASES, ids=[c[0] for c in OP_CASES])
+def test_opcheck(name, op, args):
+    # torch.library.opcheck: the schema (no mutation, no aliasing), the fake kernel against the real one, the
+    # autograd registration and AOT dispatch (static and dynamic shapes)
+    args = [a.detach().clone() if isinstance(a, torch.Tensor) else a for a in args]
+    for i in DIFFERENTIABLE.get(op._name.split("::")[-1], ()):
+        if args[i] is not None and args[i].is_floating_point():
+            args[i].requires_grad_()
+    torch.library.opcheck(op, args)
+
+
+@pytest.mark.parametrize("name, op, args", OP_CASES, ids=[c[0] for c in OP_CASES])
+def test_fake_kernel_strides_are_the_real_ones(name, op, args):
+    # (opcheck compares shapes and dtypes; the strides matter too: torch.compile's views of the outputs are
+    # planned from the fake ones)
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    real = op(*args)
+    with FakeTensorMode() as mode:
+        fake = op(*(mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args))
+    real, fake = (x if isinstance(x, tuple) else (x,) for x in (real, fake))
+    for r, f in zip(real, fake):
+        assert (r.shape, r.stride(), r.dtype) == (f.shape, f.stride(), f.dtype)
+
+
+# -------------------------------------------------------------------------------- torch.compile, torch.export
+def _attention_layer(dtype=f64):
+    torch.manual_seed(0)
+    return at.Attention(16, 4, causal=True, rotary=True, sinks=True, window=(4, 0), dtype=dtype)
+
+
+def _layer_run(layer, x, key_padding_mask):
+    """The layer's output and the gradients of a random linear function of it (input and parameters)."""
+    params = [x] + list(layer.parameters())
+    out = layer(x, key_padding_mask=key_padding_mask)
+    g = torch.randn(out.shape, dtype=out.dtype, generator=torch.Generator().manual_seed(5))
+    return [out] + list(torch.autograd.grad(out, params, g))
+
+
+def _compiled_matches_eager(module, backend, dtype=f64):
+    x = torch.randn(2, 7, 16, dtype=dtype, requires_grad=True)
+    kpm = torch.zeros(2, 7, dtype=torch.bool)
+    kpm[1, :2] = True
+    eager = _layer_run(module, x, kpm)
+    compiled = torch.compile(module, fullgraph=True, backend=backend)
+    for a, b in zip(_layer_run(compiled, x, kpm), eager):
+        assert_close(a, b, backend)
+
+
+def test_compile_fullgraph_attention_matches_eager():
+    torch._dynamo.reset()
+    _compiled_matches_eager(_attention_layer(), "aot_eager")
+    torch.manual_seed(1)
+    mha = at.MultiheadAttention(16, 4, batch_first=True, dtype=f64)
+    x = torch.randn(2, 7, 16, dtype=f64)
+    eager = mha(x, x, x, need_weights=True)
+    compiled = torch.compile(mha, fullgraph=True, backend="aot_eager")(x, x, x, need_weights=True)
+    for a, b in zip(compiled, eager):
+        assert_close(a, b, "MultiheadAttention")
+
+
+def test_compile_fullgraph_inductor():
+    torch._dynamo.reset()
+    _compiled_matches_eager(_attention_layer(torch.float32), "inductor", torch.float32)
+
+
+def test_export_attention_runs_and_matches():
+    layer = _attention_layer()
+    x = torch.randn(2, 7, 16, dtype=f64)
+    program = torch.export.export(layer, (x,))
+    calls = {n.target for n in program.graph.nodes if n.op == "call_function"}
+    assert torch.ops.attnpp.sdpa_forward.default in calls and torch.ops.attnpp.linear.default in calls
+    y = torch.randn(2, 7, 16, dtype=f64)
+    assert_close(program.module()(y), layer(y), "exported")
+
+
+def test_compile_fullgraph_transformers_model_matches_eager():
+    # A Hugging Face model with attn_implementation="attnpp", its left-padded batch (padding as
+    # key_padding_mask, the causal mask as attnpp's flag): traced whole, no graph break
+    pytest.importorskip("transformers")
+    import attnpp.transformers  # noqa: F401 (registers "attnpp")
+    from test_transformers import batch, make
+    torch._dynamo.reset()
+    model = make("llama", "attnpp")
+    ids, mask, _ = batch("left")
+    with torch.no_grad():
+        eager = model(input_ids=ids, attention_mask=mask).logits
+        compiled = torch.compile(model, fullgraph=True, backend="aot_eager")(input_ids=ids, attention_mask=mask)
+    assert_close(compiled.logits, eager, "llama compiled")

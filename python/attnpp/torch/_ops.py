@@ -45,6 +45,12 @@ def _none(like):
     return like.new_empty((0,))
 
 
+def _new(like):
+    """A fake output of ``like``'s shape and dtype, contiguous as the CPU kernels' outputs (not empty_like, which
+    keeps a view's strides)."""
+    return like.new_empty(like.shape)
+
+
 def _window(window):
     return None if window is None else tuple(window)
 
@@ -74,6 +80,35 @@ def _lift(x, dim, ndim, size=None):
 
 def _own_ndim(x, dim):
     return x.dim() - (dim is not None)
+
+
+def _differentiable(op, backward, setup_context):
+    """``op`` with its autograd formula (``backward``, ``setup_context``, registered on it): a function calling
+    ``op`` itself while torch.compile or torch.export traces (their autograd uses the registered formula), else
+    the same formula as a ``torch.autograd.Function`` that torch.func composes with (in torch 2.13 a custom op's
+    registered formula fails under torch.func's transforms, "must override the setup_context staticmethod":
+    pytorch/pytorch#168393); vmap over it reaches the operators' own vmap rules (``generate_vmap_rule``)."""
+    op.register_autograd(backward, setup_context=setup_context)
+    return _traced_or(op, type(f"{op._name}_function", (torch.autograd.Function,), dict(
+        forward=staticmethod(lambda *args: op(*args)), setup_context=staticmethod(setup_context),
+        backward=staticmethod(backward), generate_vmap_rule=True)))
+
+
+def _backward_of(op):
+    """A backward operator, called by an autograd formula: ``op`` itself while torch.compile or torch.export
+    traces, else a ``torch.autograd.Function`` (torch.func's grad records the backward for higher orders, where
+    a custom op's default autograd fails as above) whose own backward raises: attnpp has no double backward."""
+    def refuse(ctx, *grads):
+        raise RuntimeError(f"{op._name}: attnpp's backward is not differentiable (no double backward)")
+    return _traced_or(op, type(f"{op._name}_function", (torch.autograd.Function,), dict(
+        forward=staticmethod(lambda *args: op(*args)), setup_context=staticmethod(lambda ctx, inputs, output: None),
+        backward=staticmethod(refuse), generate_vmap_rule=True)))
+
+
+def _traced_or(op, function):
+    def call(*args):
+        return op(*args) if torch.compiler.is_compiling() else function.apply(*args)
+    return call
 
 
 # -------------------------------------------------------------------------------------------- attention
@@ -126,8 +161,8 @@ def sdpa_backward(grad_output: Tensor, query: Tensor, key: Tensor, value: Tensor
 
 @sdpa_backward.register_fake
 def _(grad_output, query, key, value, output, logsumexp, attn_mask, sinks, *options):
-    return (torch.empty_like(query), torch.empty_like(key), torch.empty_like(value),
-            _none(query) if sinks is None else torch.empty_like(sinks))
+    return (_new(query), _new(key), _new(value),
+            _none(query) if sinks is None else _new(sinks))
 
 
 def _sdpa_setup_context(ctx, inputs, output):
@@ -137,12 +172,12 @@ def _sdpa_setup_context(ctx, inputs, output):
 
 def _sdpa_backward_formula(ctx, grad_output, _grad_lse):
     query, key, value, attn_mask, sinks, alibi_slopes, key_padding_mask, output, lse = ctx.saved_tensors
-    grads = sdpa_backward(grad_output, query, key, value, output, lse, attn_mask, sinks, alibi_slopes,
-                          key_padding_mask, *ctx.options)
+    grads = _apply_sdpa_backward(grad_output, query, key, value, output, lse, attn_mask, sinks, alibi_slopes,
+                                key_padding_mask, *ctx.options)
     return (*grads[:3], None, None if sinks is None else grads[3]) + (None,) * (2 + len(ctx.options))
 
 
-sdpa_forward.register_autograd(_sdpa_backward_formula, setup_context=_sdpa_setup_context)
+apply_sdpa = _differentiable(sdpa_forward, _sdpa_backward_formula, _sdpa_setup_context)
 
 
 def _must_loop(sinks, sinks_dim, alibi_slopes, alibi_dim, dropout_p):
@@ -187,6 +222,7 @@ def _sdpa_backward_vmap(info, in_dims, grad_output, query, key, value, output, l
 
 
 sdpa_backward.register_vmap(_sdpa_backward_vmap)
+_apply_sdpa_backward = _backward_of(sdpa_backward)
 
 
 @torch.library.custom_op("attnpp::sdpa_weights", mutates_args=(), device_types="cpu")
@@ -239,7 +275,7 @@ def linear_backward(grad_output: Tensor, input: Tensor, weight: Tensor, need_inp
 
 @linear_backward.register_fake
 def _(grad_output, input, weight, need_input, need_bias):
-    return (torch.empty_like(input) if need_input else _none(input), torch.empty_like(weight),
+    return (_new(input) if need_input else _none(input), _new(weight),
             weight.new_empty(weight.shape[:1]) if need_bias else _none(weight))
 
 
@@ -250,13 +286,13 @@ def _linear_setup_context(ctx, inputs, output):
 def _linear_backward_formula(ctx, grad_output):
     input, weight, bias = ctx.saved_tensors
     need_input, need_weight, need_bias = ctx.needs_input_grad
-    grad_input, grad_weight, grad_bias = linear_backward(grad_output, input, weight, need_input,
-                                                         bias is not None and need_bias)
+    grad_input, grad_weight, grad_bias = _apply_linear_backward(grad_output, input, weight, need_input,
+                                                               bias is not None and need_bias)
     return (grad_input if need_input else None, grad_weight if need_weight else None,
             grad_bias if bias is not None and need_bias else None)
 
 
-linear.register_autograd(_linear_backward_formula, setup_context=_linear_setup_context)
+apply_linear = _differentiable(linear, _linear_backward_formula, _linear_setup_context)
 
 
 def _linear_vmap(info, in_dims, input, weight, bias):
@@ -267,6 +303,7 @@ def _linear_vmap(info, in_dims, input, weight, bias):
 
 linear.register_vmap(_linear_vmap)
 linear_backward.register_vmap(_loop_rule(linear_backward))
+_apply_linear_backward = _backward_of(linear_backward)
 
 
 # --------------------------------------------------------------------------------- linear + cross-entropy
@@ -278,8 +315,7 @@ def linear_cross_entropy_forward(input: Tensor, weight: Tensor, target: Tensor, 
     out = AF.linear_cross_entropy_forward(*map(to_numpy, (input, weight, target, bias)), ignore_index=ignore_index,
                                           reduction=reduction, label_smoothing=label_smoothing,
                                           compute_grads=compute_grads)
-    grads = [_none(input)] * 3 if out.grads is None else \
-        [_none(input) if g is None else from_numpy(g) for g in out.grads]
+    grads = [_none(input) if g is None else from_numpy(g) for g in (out.grads or (None,) * 3)]
     return (from_numpy(out.loss), from_numpy(out.logsumexp), *grads)
 
 
@@ -288,8 +324,8 @@ def _(input, weight, target, bias, ignore_index, reduction, label_smoothing, com
     grads = compute_grads and reduction != "none"
     return (input.new_empty(target.shape if reduction == "none" else ()),
             input.new_empty(target.shape, dtype=_acc(input.dtype)),
-            torch.empty_like(input) if grads else _none(input), torch.empty_like(weight) if grads else _none(input),
-            torch.empty_like(bias) if grads and bias is not None else _none(input))
+            _new(input) if grads else _none(input), _new(weight) if grads else _none(input),
+            _new(bias) if grads and bias is not None else _none(input))
 
 
 @torch.library.custom_op("attnpp::linear_cross_entropy_backward", mutates_args=(), device_types="cpu")
@@ -305,7 +341,7 @@ def linear_cross_entropy_backward(grad_output: Tensor, input: Tensor, weight: Te
 
 @linear_cross_entropy_backward.register_fake
 def _(grad_output, input, weight, target, logsumexp, bias, *options):
-    return torch.empty_like(input), torch.empty_like(weight), _none(input) if bias is None else torch.empty_like(bias)
+    return _new(input), _new(weight), _none(input) if bias is None else _new(bias)
 
 
 def _lce_setup_context(ctx, inputs, output):
@@ -320,15 +356,17 @@ def _lce_backward_formula(ctx, grad_loss, *_):
     if ctx.precomputed:  # the forward's gradients (those of a loss of gradient 1), scaled
         grads = [g * grad_loss.to(g.dtype) for g in grads]
     else:
-        grads = linear_cross_entropy_backward(grad_loss, input, weight, target, lse, bias, *ctx.options)
+        grads = _apply_linear_cross_entropy_backward(grad_loss, input, weight, target, lse, bias, *ctx.options)
     need = ctx.needs_input_grad
     return (grads[0] if need[0] else None, grads[1] if need[1] else None, None,
             grads[2] if bias is not None and need[3] else None, None, None, None, None)
 
 
-linear_cross_entropy_forward.register_autograd(_lce_backward_formula, setup_context=_lce_setup_context)
+apply_linear_cross_entropy = _differentiable(linear_cross_entropy_forward, _lce_backward_formula,
+                                             _lce_setup_context)
 linear_cross_entropy_forward.register_vmap(_loop_rule(linear_cross_entropy_forward))
 linear_cross_entropy_backward.register_vmap(_loop_rule(linear_cross_entropy_backward))
+_apply_linear_cross_entropy_backward = _backward_of(linear_cross_entropy_backward)
 
 
 # ------------------------------------------------------------------------------------------------ rotary
@@ -360,12 +398,12 @@ def rotary_embedding_backward(grad_output: Tensor, rotary_dim: int, base: float,
 
 @rotary_embedding.register_fake
 def _(input, *options):
-    return torch.empty_like(input)
+    return _new(input)
 
 
 @rotary_embedding_backward.register_fake
 def _(grad_output, *options):
-    return torch.empty_like(grad_output)
+    return _new(grad_output)
 
 
 def _rotary_setup_context(ctx, inputs, output):
@@ -373,10 +411,10 @@ def _rotary_setup_context(ctx, inputs, output):
 
 
 def _rotary_backward_formula(ctx, grad_output):
-    return (rotary_embedding_backward(grad_output, *ctx.options),) + (None,) * len(ctx.options)
+    return (_apply_rotary_backward(grad_output, *ctx.options),) + (None,) * len(ctx.options)
 
 
-rotary_embedding.register_autograd(_rotary_backward_formula, setup_context=_rotary_setup_context)
+apply_rotary = _differentiable(rotary_embedding, _rotary_backward_formula, _rotary_setup_context)
 
 
 def _rotary_vmap_of(op):
@@ -389,3 +427,4 @@ def _rotary_vmap_of(op):
 
 rotary_embedding.register_vmap(_rotary_vmap_of(rotary_embedding))
 rotary_embedding_backward.register_vmap(_rotary_vmap_of(rotary_embedding_backward))
+_apply_rotary_backward = _backward_of(rotary_embedding_backward)

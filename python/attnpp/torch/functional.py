@@ -41,7 +41,8 @@ def _attention(query, key, value, attn_mask, dropout_p, is_causal, scale, enable
         seed = draw_seed()
     options = (float(dropout_p), is_causal, scale, enable_gqa, seed, causal_alignment,
                None if window is None else list(window), softcap)
-    output, lse = _ops.sdpa_forward(query, key, value, attn_mask, sinks, alibi_slopes, key_padding_mask, *options)
+    output, lse = _ops.apply_sdpa(query, key, value, attn_mask, sinks, alibi_slopes, key_padding_mask,
+                                          *options)
     weights = None
     if need_weights:
         weights = _ops.sdpa_weights(query.detach(), key.detach(), attn_mask, None if sinks is None else sinks.detach(),
@@ -153,7 +154,7 @@ def linear(input, weight, bias=None):
         dtypes, a tensor subclass.
     """
     _check_linear_args(input, weight, bias)
-    return _ops.linear(input, weight, bias)
+    return _ops.apply_linear(input, weight, bias)
 
 
 @torch_errors
@@ -190,7 +191,7 @@ def linear_cross_entropy(input, weight, target, bias=None, *, ignore_index=-100,
     _check_linear_args(input, weight, bias)
     check_plain(target, "target")
     compute_grads = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (input, weight, bias))
-    loss = _ops.linear_cross_entropy_forward(input, weight, target, bias, ignore_index, reduction,
-                                             float(label_smoothing), compute_grads)
+    loss = _ops.apply_linear_cross_entropy(input, weight, target, bias, ignore_index, reduction,
+                                           float(label_smoothing), compute_grads)
     return loss[0]
 

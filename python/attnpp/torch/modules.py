@@ -298,7 +298,7 @@ class Attention(torch.nn.Module):
         else:
             from .distributed import shard_segments
             segments = shard_segments(self.context_parallel_group, self.context_parallel_layout, T)
-        parts = [_ops.rotary_embedding(t[:, :, local:local + rows], self.rotary_dim, float(self.rotary_base),
+        parts = [_ops.apply_rotary(t[:, :, local:local + rows], self.rotary_dim, float(self.rotary_base),
                                        self.rotary_interleaved, start) for start, local, rows in segments]
         return parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)
 
