@@ -284,3 +284,145 @@ def test_compile_fullgraph_transformers_model_matches_eager():
         eager = model(input_ids=ids, attention_mask=mask).logits
         compiled = torch.compile(model, fullgraph=True, backend="aot_eager")(input_ids=ids, attention_mask=mask)
     assert_close(compiled.logits, eager, "llama compiled")
+
+
+# ------------------------------------------------------------------------------------------------ torch.func
+def _func_inputs(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    r = lambda *s: torch.randn(*s, dtype=f64, generator=g)
+    return r(4, 2, 5, 8), r(4, 2, 9, 8), r(4, 2, 9, 6), r(4, 5, 9)
+
+
+@pytest.mark.parametrize("in_dims, call", [
+    ((0, 0, 0, 0), lambda f, q, k, v, m: f(q, k, v, attn_mask=m[:, None] if m.dim() == 3 else m[None])),
+    ((0, None, None, None), lambda f, q, k, v, m: f(q, k, v, attn_mask=m)),
+    ((None, 0, 0, None), lambda f, q, k, v, m: f(q, k, v, is_causal=True)),
+    ((1, 1, 1, None), lambda f, q, k, v, m: f(q, k, v)),  # vmapped dimension inside, entries (4, L, D)
+    ((0, 0, 0, 0), lambda f, q, k, v, m: f(q[0], k[0], v[0], attn_mask=m)),  # unbatched (L, D) entries
+], ids=["all", "query_only", "keys_only_causal", "inner_dim", "unbatched_entries"])
+def test_vmap_equals_torch(in_dims, call):
+    q, k, v, m = _func_inputs()
+    if in_dims == (0, None, None, None):
+        k, v, m = k[0], v[0], m[0]
+    if in_dims == (None, 0, 0, None):
+        q = q[0]
+    ours = torch.func.vmap(lambda *a: call(at.scaled_dot_product_attention, *a), in_dims)(q, k, v, m)
+    ref = torch.func.vmap(lambda *a: call(TF.scaled_dot_product_attention, *a), in_dims)(q, k, v, m)
+    assert_close(ours, ref, "vmap")
+
+
+def test_grad_jacrev_and_vmap_grad_equal_torch():
+    q, k, v, m = _func_inputs()
+
+    def loss(f):
+        return lambda q, k, v: (f(q, k, v, attn_mask=m[0]).sin()).sum()
+    grad = lambda f: torch.func.grad(loss(f), argnums=(0, 1, 2))
+    for a, b in zip(grad(at.scaled_dot_product_attention)(q, k, v), grad(TF.scaled_dot_product_attention)(q, k, v)):
+        assert_close(a, b, "grad")
+    for a, b in zip(torch.func.vmap(grad(at.scaled_dot_product_attention))(q, k, v),
+                    torch.func.vmap(grad(TF.scaled_dot_product_attention))(q, k, v)):
+        assert_close(a, b, "vmap(grad)")
+    jac = lambda f: torch.func.jacrev(lambda q: f(q, k[0], v[0], is_causal=True), )(q[0, :, :3])
+    assert_close(jac(at.scaled_dot_product_attention), jac(TF.scaled_dot_product_attention), "jacrev")
+
+
+def _small_model(ours):
+    """A one-layer causal attention model with a language-model loss: attnpp.torch's functions or PyTorch's."""
+    sdpa, linear = (at.scaled_dot_product_attention, at.linear) if ours else \
+        (TF.scaled_dot_product_attention, TF.linear)
+
+    def loss(params, x, target):  # x (L, E), target (L,)
+        q, k, v = (linear(x, params[n], params[n + "_b"]).unflatten(-1, (2, 4)).transpose(0, 1) for n in "qkv")
+        h = sdpa(q, k, v, is_causal=True).transpose(0, 1).flatten(-2) + x
+        if ours:
+            return at.linear_cross_entropy(h, params["out"], target)
+        return TF.cross_entropy(TF.linear(h, params["out"]), target)
+    return loss
+
+
+def test_per_sample_gradients_equal_torch():
+    # vmap(grad(...)) over a batch: each sample's gradients of every parameter, attnpp's against PyTorch's SDPA,
+    # linear and cross-entropy
+    g = torch.Generator().manual_seed(2)
+    params = {n: torch.randn(8, 8, dtype=f64, generator=g) / 3 for n in "qkv"}
+    params.update({n + "_b": torch.randn(8, dtype=f64, generator=g) for n in "qkv"})
+    params["out"] = torch.randn(13, 8, dtype=f64, generator=g)
+    x, target = torch.randn(5, 6, 8, dtype=f64, generator=g), torch.randint(0, 13, (5, 6), generator=g)
+    per_sample = lambda ours: torch.func.vmap(torch.func.grad(_small_model(ours)), in_dims=(None, 0, 0))(
+        params, x, target)
+    ours, ref = per_sample(True), per_sample(False)
+    for name in params:
+        assert ours[name].shape == (5,) + params[name].shape
+        assert_close(ours[name], ref[name], f"per-sample grad of {name}")
+
+
+@pytest.mark.parametrize("kw", [dict(), dict(is_causal=True, causal_alignment="bottom_right"),
+                                dict(enable_gqa=True), dict(attn_mask="float"), dict(sinks=True)],
+                         ids=["plain", "causal_bottom_right", "gqa", "mask", "sinks"])
+def test_gradcheck_with_batched_grad(kw):
+    kw = dict(kw)
+    q, k, v = (t.detach()[:1, :, :3].clone().requires_grad_() for t in qkv(4, 5, H=4))
+    if kw.get("enable_gqa"):
+        k, v = (t.detach()[:, :2].clone().requires_grad_() for t in (k, v))
+    inputs = [q, k, v]
+    if kw.get("attn_mask") == "float":
+        kw["attn_mask"] = torch.randn(3, 3, dtype=f64)
+    if kw.pop("sinks", False):
+        inputs.append(torch.randn(4, dtype=f64, requires_grad=True))
+    f = lambda q, k, v, *s: at.scaled_dot_product_attention(q, k, v, sinks=s[0] if s else None, **kw)
+    assert gradcheck(f, inputs, check_batched_grad=True)
+
+
+def test_gradcheck_with_batched_grad_linear_loss_and_rotary():
+    x, w, b = (torch.randn(*s, dtype=f64, requires_grad=True) for s in ((3, 4), (5, 4), (5,)))
+    assert gradcheck(at.linear, (x, w, b), check_batched_grad=True)
+    target = torch.tensor([0, 4, -100])
+    for reduction in ("mean", "none"):
+        assert gradcheck(lambda x, w, b: at.linear_cross_entropy(x, w, target, b, reduction=reduction,
+                                                                 label_smoothing=0.1), (x, w, b),
+                         check_batched_grad=True)
+    h = torch.randn(2, 3, 4, dtype=f64, requires_grad=True)
+    assert gradcheck(lambda h: _ops.apply_rotary(h, 4, 100.0, False, 2), (h,), check_batched_grad=True)
+
+
+def test_double_backward_refused():
+    q, k, v = qkv(3, 4)
+    (gq,) = torch.autograd.grad(at.scaled_dot_product_attention(q, k, v).sum(), q, create_graph=True)
+    with pytest.raises(RuntimeError, match="attnpp's backward is not differentiable"):
+        gq.sum().backward()
+
+
+# --------------------------------------------------------------------------------------------- error classes
+@pytest.mark.parametrize("make", [
+    lambda q, k, v: (q, k.float(), v, {}),                                              # mixed dtypes
+    lambda q, k, v: (q[0, 0, 0], k[0, 0, 0], v[0, 0, 0], {}),                           # 1-D query
+    lambda q, k, v: (q, k[..., :5], v, {}),                                             # D differs
+    lambda q, k, v: (q, k, v[:, :, :4], {}),                                            # S differs
+    lambda q, k, v: (q, k, v, dict(attn_mask=torch.zeros(2, 9, dtype=f64))),            # mask does not broadcast
+    lambda q, k, v: (q, k, v, dict(attn_mask=torch.zeros(5, 9, dtype=torch.int32))),    # mask dtype
+    lambda q, k, v: (q, k, v, dict(dropout_p=1.5)),                                     # dropout_p
+], ids=["mixed_dtypes", "1d_query", "head_dim", "key_value_length", "mask_shape", "mask_dtype", "dropout_p"])
+def test_errors_are_runtime_errors_where_torch_raises_one(make):
+    q, k, v, kw = make(*(t.detach() for t in qkv(5, 9)))
+    with pytest.raises(RuntimeError):  # (PyTorch's class)
+        TF.scaled_dot_product_attention(q, k, v, **kw)
+    with pytest.raises(RuntimeError) as caught:
+        at.scaled_dot_product_attention(q, k, v, **kw)
+    assert isinstance(caught.value, (ValueError, TypeError))  # (and attnpp's class of before)
+    assert isinstance(caught.value, (at.TorchValueError, at.TorchTypeError))
+
+
+def test_error_messages_unchanged():
+    # attnpp.functional's message on NumPy arrays, the same words from attnpp.torch
+    import attnpp.functional as AF
+    q, k, v = (t.detach() for t in qkv(5, 9))
+    mask = torch.zeros(2, 9, dtype=f64)
+    with pytest.raises(ValueError) as plain:
+        AF.scaled_dot_product_attention(q.numpy(), k.numpy(), v.numpy(), mask.numpy())
+    with pytest.raises(at.TorchValueError) as ours:
+        at.scaled_dot_product_attention(q, k, v, mask)
+    assert str(ours.value) == str(plain.value)
+    with pytest.raises(RuntimeError, match="attn_mask must be None when is_causal=True"):
+        at.scaled_dot_product_attention(q, k, v, torch.zeros(5, 9, dtype=f64), is_causal=True)
+    with pytest.raises(at.TorchTypeError, match="expected a torch.Tensor"):
+        at.scaled_dot_product_attention(q.numpy(), k, v)
