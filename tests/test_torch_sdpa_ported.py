@@ -265,7 +265,8 @@ def test_fully_masked_out_rows(dtype):
     assert (actual[0, :, [1, 4]] == 0).all() and (actual[1, :, 8] == 0).all()
     torch.testing.assert_close(actual, math_ref.to(dtype), atol=tol.atol, rtol=tol.rtol)
     g = torch.randn_like(math_ref)
-    for a, r in zip(torch.autograd.grad(actual, (q, k, v), g.to(dtype)), torch.autograd.grad(math_ref, (q2, k2, v2), g)):
+    grads = zip(torch.autograd.grad(actual, (q, k, v), g.to(dtype)), torch.autograd.grad(math_ref, (q2, k2, v2), g))
+    for a, r in grads:
         torch.testing.assert_close(a, r.to(dtype), atol=tol_grad.atol, rtol=tol_grad.rtol)
 
 

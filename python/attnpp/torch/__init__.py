@@ -45,7 +45,7 @@ output and the log-sum-exp are saved for the backward, memory grows with L, not 
 """
 
 from ._convert import TorchTypeError, TorchValueError, from_numpy, to_numpy
-from ._convert import check_dtype as _check_dtype, check_tensor as _check_tensor  # (attnpp.torch.distributed's)
+from ._convert import check_tensor as _check_tensor  # noqa: F401 (attnpp.torch.distributed imports it from here)
 from .functional import linear, linear_cross_entropy, scaled_dot_product_attention
 from .modules import Attention, Linear, MultiheadAttention
 

@@ -15,11 +15,13 @@ import torch
 
 from .._checks import BFLOAT16, bfloat16_tensor_as_ndarray
 
-__all__ = ["TorchValueError", "TorchTypeError", "torch_errors", "check_tensor", "check_plain", "check_same_device", "check_dtype", "to_numpy",
-           "from_numpy", "draw_seed", "additive_mask", "causal_bias_flags", "FLOATS", "FLOAT_NAMES"]
+__all__ = ["TorchValueError", "TorchTypeError", "torch_errors", "check_tensor", "check_plain", "check_same_device",
+           "check_dtype", "to_numpy", "from_numpy", "draw_seed", "additive_mask", "causal_bias_flags", "FLOATS",
+           "FLOAT_NAMES", "CPU_ONLY"]
 
 FLOATS = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 FLOAT_NAMES = "float32, float64, float16 or bfloat16"
+CPU_ONLY = "attnpp runs on the CPU: move the tensors with .cpu()"
 
 
 # ------------------------------------------------------------------------------------------------- errors
@@ -75,8 +77,7 @@ def check_tensor(t, name, mask=False):
     refused while grad mode is on (attnpp gives masks no gradient; PyTorch gives a float mask one)."""
     check_plain(t, name)
     if not (t.is_cpu or t.is_meta):  # (not t.device.type: a device object per call, ~5 us of a decoding step)
-        raise TorchValueError(f"{name}: attnpp runs on the CPU: move the tensors with .cpu() (got device "
-                              f"{t.device})")
+        raise TorchValueError(f"{name}: {CPU_ONLY} (got device {t.device})")
     if t.dtype not in FLOATS and not (mask and t.dtype == torch.bool):
         raise TorchTypeError(f"{name}: attnpp computes in {FLOAT_NAMES}{' (masks may be bool)' if mask else ''}, "
                              f"got {t.dtype}")
@@ -107,8 +108,8 @@ def check_same_device(first, *named):
     for shapes only)."""
     for name, t in named:
         if t is not None and t.is_meta != first.is_meta:
-            raise TorchValueError(f"{name}: attnpp runs on the CPU: move the tensors with .cpu() (got device "
-                                  f"{t.device} with a first tensor on {first.device})")
+            raise TorchValueError(f"{name}: {CPU_ONLY} (got device {t.device} with a first tensor on "
+                                  f"{first.device})")
 
 
 def check_dtype(dtype):
@@ -131,7 +132,7 @@ def to_numpy(tensor):
         raise TorchTypeError(f"attnpp reads the memory of plain strided CPU tensors only, got "
                              f"{type(tensor).__qualname__} (layout {tensor.layout})")
     if not tensor.is_cpu:
-        raise TorchValueError(f"attnpp runs on the CPU: move the tensors with .cpu() (got device {tensor.device})")
+        raise TorchValueError(f"{CPU_ONLY} (got device {tensor.device})")
     if tensor.requires_grad:  # (detach() makes a new tensor object: a few microseconds a call where it is not needed)
         tensor = tensor.detach()
     if tensor.is_neg() or tensor.is_conj():

@@ -25,7 +25,6 @@ raised as ``TorchValueError`` and ``TorchTypeError`` (also RuntimeErrors, as PyT
 import functools
 from typing import List, Optional, Tuple
 
-import numpy as np
 import torch
 from torch import Tensor
 
@@ -112,15 +111,18 @@ def _traced_or(op, function):
 
 
 # -------------------------------------------------------------------------------------------- attention
-def _attention_shapes(query, key, value, enable_gqa):
-    """(batch B..., Hq, unbatched) of an attention call, as ``functional``'s checks compute them."""
+def _attention_rows(query, key, value, enable_gqa):
+    """The shape of an attention call's rows: (B..., Hq, L), or (L,) unbatched, as ``functional``'s checks
+    compute it."""
     lead = lambda x: tuple(x.shape[:-2]) if x.dim() >= 3 else (1,)
+    if query.dim() == 2 and key.dim() == 2 and value.dim() == 2:
+        return (query.shape[-2],)
     if enable_gqa:
         batch, Hq = torch.broadcast_shapes(lead(query)[:-1], lead(key)[:-1], lead(value)[:-1]), lead(query)[-1]
     else:
         full = torch.broadcast_shapes(lead(query), lead(key), lead(value))
         batch, Hq = full[:-1], full[-1]
-    return tuple(batch), Hq, query.dim() == 2 and key.dim() == 2 and value.dim() == 2
+    return tuple(batch) + (Hq, query.shape[-2])
 
 
 @torch.library.custom_op("attnpp::sdpa_forward", mutates_args=(), device_types="cpu")
@@ -139,8 +141,7 @@ def sdpa_forward(query: Tensor, key: Tensor, value: Tensor, attn_mask: Optional[
 @sdpa_forward.register_fake
 def _(query, key, value, attn_mask, sinks, alibi_slopes, key_padding_mask, dropout_p, is_causal, scale,
       enable_gqa, seed, causal_alignment, window, softcap):
-    batch, Hq, unbatched = _attention_shapes(query, key, value, enable_gqa)
-    rows = (query.shape[-2],) if unbatched else batch + (Hq, query.shape[-2])
+    rows = _attention_rows(query, key, value, enable_gqa)
     return (query.new_empty(rows + (value.shape[-1],)), query.new_empty(rows, dtype=_acc(query.dtype)))
 
 
@@ -241,9 +242,7 @@ def sdpa_weights(query: Tensor, key: Tensor, attn_mask: Optional[Tensor], sinks:
 @sdpa_weights.register_fake
 def _(query, key, attn_mask, sinks, alibi_slopes, key_padding_mask, logsumexp, dropout_p, is_causal, scale,
       enable_gqa, *options):
-    batch, Hq, unbatched = _attention_shapes(query, key, key, enable_gqa)
-    rows = (query.shape[-2],) if unbatched else batch + (Hq, query.shape[-2])
-    return query.new_empty(rows + (key.shape[-2],))
+    return query.new_empty(_attention_rows(query, key, key, enable_gqa) + (key.shape[-2],))
 
 
 sdpa_weights.register_vmap(_loop_rule(sdpa_weights))

@@ -8,10 +8,11 @@ RuntimeErrors (PyTorch's class for the same bad input).
 """
 import torch
 
+from .. import functional as AF
 from .._checks import check_probability
 from . import _ops
-from ._convert import FLOATS, causal_bias_flags, check_plain, check_same_device, check_tensor, draw_seed, from_numpy, to_numpy, torch_errors
-from .. import functional as AF
+from ._convert import (FLOATS, causal_bias_flags, check_plain, check_same_device, check_tensor, draw_seed, from_numpy,
+                       to_numpy, torch_errors)
 
 __all__ = ["scaled_dot_product_attention", "linear", "linear_cross_entropy"]
 
@@ -41,8 +42,7 @@ def _attention(query, key, value, attn_mask, dropout_p, is_causal, scale, enable
         seed = draw_seed()
     options = (float(dropout_p), is_causal, scale, enable_gqa, seed, causal_alignment,
                None if window is None else list(window), softcap)
-    output, lse = _ops.apply_sdpa(query, key, value, attn_mask, sinks, alibi_slopes, key_padding_mask,
-                                          *options)
+    output, lse = _ops.apply_sdpa(query, key, value, attn_mask, sinks, alibi_slopes, key_padding_mask, *options)
     weights = None
     if need_weights:
         weights = _ops.sdpa_weights(query.detach(), key.detach(), attn_mask, None if sinks is None else sinks.detach(),
@@ -129,7 +129,8 @@ def _plain_attention(query, key, value, dropout_p, is_causal, scale, enable_gqa,
         return None
     for t in (query, key, value):
         if (type(t) is not torch.Tensor and type(t) is not torch.nn.Parameter) or not t.is_cpu \
-                or t.layout != torch.strided or t.dtype not in FLOATS or torch._C._functorch.is_functorch_wrapped_tensor(t):
+                or t.layout != torch.strided or t.dtype not in FLOATS \
+                or torch._C._functorch.is_functorch_wrapped_tensor(t):
             return None
     if torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad):
         return None

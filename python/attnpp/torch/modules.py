@@ -1,6 +1,11 @@
 """attnpp.torch's modules: ``Linear``, ``MultiheadAttention`` and ``Attention``, PyTorch modules (torch
 parameters, state dicts, initialisation) whose compute is attnpp's operators (``attnpp.torch._ops``), through
-``attnpp.torch.functional``."""
+``attnpp.torch.functional``.
+
+Their tensor arguments are checked as the functions' are: tensor subclasses and sparse tensors refused
+(TorchTypeError), masks that require grad refused under grad mode, meta tensors (and torch.compile's and
+torch.export's fake tensors) given shapes only; the errors each forward lists are raised as ``TorchValueError``
+and ``TorchTypeError`` (also RuntimeErrors) where they come from those checks and from the operators."""
 import torch
 
 from .._checks import check_attention_layer_shapes
