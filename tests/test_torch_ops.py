@@ -319,9 +319,10 @@ def test_grad_jacrev_and_vmap_grad_equal_torch():
     grad = lambda f: torch.func.grad(loss(f), argnums=(0, 1, 2))
     for a, b in zip(grad(at.scaled_dot_product_attention)(q, k, v), grad(TF.scaled_dot_product_attention)(q, k, v)):
         assert_close(a, b, "grad")
-    for a, b in zip(torch.func.vmap(grad(at.scaled_dot_product_attention))(q, k, v),
-                    torch.func.vmap(grad(TF.scaled_dot_product_attention))(q, k, v)):
-        assert_close(a, b, "vmap(grad)")
+    for entries in ((q, k, v), (q[:, 0], k[:, 0], v[:, 0])):  # entries (H, L, D), and unbatched (L, D)
+        for a, b in zip(torch.func.vmap(grad(at.scaled_dot_product_attention))(*entries),
+                        torch.func.vmap(grad(TF.scaled_dot_product_attention))(*entries)):
+            assert_close(a, b, "vmap(grad)")
     jac = lambda f: torch.func.jacrev(lambda q: f(q, k[0], v[0], is_causal=True), )(q[0, :, :3])
     assert_close(jac(at.scaled_dot_product_attention), jac(TF.scaled_dot_product_attention), "jacrev")
 
