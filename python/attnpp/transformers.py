@@ -32,6 +32,9 @@ block skipping. The attention function maps the layer's arguments: ``scaling`` t
 repeated. A query of one token (a decoding step) takes attnpp's few-rows path (the heads of a group share key
 blocks).
 
+The attention runs attnpp's registered operators (``attnpp.torch``): a model traces whole under
+``torch.compile(model, fullgraph=True)``, and a model on the meta device propagates shapes.
+
 Not supported, with a clear error rather than another implementation: tensors off the CPU (ValueError from
 ``attnpp.torch``), ``output_attentions=True`` and ``position_bias`` (ValueError: use ``eager``).
 
@@ -125,7 +128,9 @@ def attention_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mas
     padding = None
     if attention_mask is not None:
         real = prepare_padding_mask(attention_mask, kv_length, kv_offset)[:, kv_offset:kv_offset + keys]
-        if not bool(real.all()):
+        # (traced by torch.compile, or on the meta device, whether any key is padding is data the graph cannot
+        # branch on: the padding mask is then passed whatever it holds)
+        if torch.compiler.is_compiling() or real.is_meta or not bool(real.all()):
             padding = ~real.to(torch.bool)
     return KeyLayout(keys, pattern[0], pattern[1], padding)
 
