@@ -13,14 +13,13 @@ import math
 import numpy as np
 import torch
 
-from .._checks import BFLOAT16, bfloat16_tensor_as_ndarray
+from .._checks import BFLOAT16, FLOAT_NAMES, bfloat16_tensor_as_ndarray
 
 __all__ = ["TorchValueError", "TorchTypeError", "torch_errors", "check_tensor", "check_plain", "check_same_device",
            "check_dtype", "to_numpy", "from_numpy", "draw_seed", "additive_mask", "causal_bias_flags", "FLOATS",
            "FLOAT_NAMES", "CPU_ONLY"]
 
 FLOATS = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
-FLOAT_NAMES = "float32, float64, float16 or bfloat16"
 CPU_ONLY = "attnpp runs on the CPU: move the tensors with .cpu()"
 
 

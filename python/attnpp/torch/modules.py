@@ -9,6 +9,7 @@ and ``TorchTypeError`` (also RuntimeErrors) where they come from those checks an
 import torch
 
 from .._checks import check_attention_layer_shapes
+from ..functional.rotary import ROTARY_BASE
 from ..nn.attention import attention_config_of, variant_args
 from . import _ops
 from ._convert import additive_mask, check_dtype, check_tensor
@@ -208,7 +209,7 @@ class Attention(torch.nn.Module):
     def __init__(self, embed_dim, num_heads=1, *, qk_dim=None, v_dim=None, kv_dim=None, out_dim=None, bias=True,
                  out_proj=True, out_bias=None, causal=False, causal_alignment="top_left", attn_dropout=0.0,
                  out_dropout=0.0, scale=None, context_length=None, window=None, alibi=False, softcap=None,
-                 sinks=False, rotary=False, rotary_dim=None, rotary_base=10000.0, rotary_interleaved=False,
+                 sinks=False, rotary=False, rotary_dim=None, rotary_base=ROTARY_BASE, rotary_interleaved=False,
                  dtype=None, context_parallel_group=None, context_parallel_layout="contiguous"):
         super().__init__()
         dtype = check_dtype(dtype)
