@@ -160,7 +160,7 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
 
     Raises:
         ValueError: ``output_attentions=True`` or a ``position_bias`` (not supported: use ``eager``); tensors
-        off the CPU and shapes or dtypes attnpp refuses (from ``attnpp.torch``).
+            off the CPU and shapes or dtypes attnpp refuses (from ``attnpp.torch``).
     """
     if kwargs.get("output_attentions"):
         raise ValueError('attn_implementation="attnpp" does not return the attention weights '

@@ -184,9 +184,9 @@ def scaled_dot_product_attention_forward(query, key, value, attn_mask=None, drop
 
     Returns:
         ``AttentionForward(output, logsumexp, seed)``, a named tuple: output (B..., Hq, L, Dv) (or (L, Dv)
-        unbatched); logsumexp (B..., Hq, L), the log of each row's softmax denominator (-inf for a fully masked
-        row); seed (int), the dropout seed used, drawn from attnpp's generator when ``seed=None`` (None when
-        dropout_p is 0).
+            unbatched); logsumexp (B..., Hq, L), the log of each row's softmax denominator (-inf for a fully masked
+            row); seed (int), the dropout seed used, drawn from attnpp's generator when ``seed=None`` (None when
+            dropout_p is 0).
 
     Dropout: the kept weights are those where ``dropout_mask((*B, Hq, L, S), dropout_p, seed)`` is True (B...
     the broadcast batch shape), so a caller recovers the mask from the seed. Pass the returned seed to the
@@ -339,7 +339,7 @@ def scaled_dot_product_attention_backward(grad_output, query, key, value, output
 
     Returns:
         (grad_query, grad_key, grad_value), each of its input's shape (summed over broadcast dimensions); with
-        ``sinks``, (grad_query, grad_key, grad_value, grad_sinks), grad_sinks (Hq,).
+            ``sinks``, (grad_query, grad_key, grad_value, grad_sinks), grad_sinks (Hq,).
 
     Raises:
         TypeError: an input that is not a float ndarray of those dtypes, mixed dtypes (grad_output, output and
@@ -380,9 +380,9 @@ def scaled_dot_product_attention_weights(query, key, attn_mask=None, dropout_p=0
     dropout_p > 0 the weights are those after dropout (zeros and 1 / (1 - dropout_p) scaling), for ``seed``.
 
     Args:
-        query, key, attn_mask, dropout_p, is_causal, scale, enable_gqa, seed, causal_alignment, window,
-            alibi_slopes, softcap, sinks, key_padding_mask: as ``scaled_dot_product_attention``'s (seed: the
-            forward's, for the weights it used).
+        query, key, attn_mask, dropout_p, is_causal, scale, enable_gqa, seed, causal_alignment: as
+            ``scaled_dot_product_attention``'s (seed: the forward's, for the weights it used).
+        window, alibi_slopes, softcap, sinks, key_padding_mask: as ``scaled_dot_product_attention``'s.
         logsumexp (ndarray, optional): (B..., Hq, L), the forward's, saves recomputing it. Default: None.
 
     Returns:

@@ -127,9 +127,9 @@ def linear_cross_entropy(input, weight, target, bias=None, *, ignore_index=-100,
 
     Raises:
         TypeError: non-float input, weight or bias of another dtype, a non-integer target, ignore_index not an
-        int, label_smoothing not a number. ValueError: a weight whose width is not the input's last dimension, a
-        bias not (V,), a target not of the input's shape without E, an unknown reduction, label_smoothing outside
-        [0, 1]. IndexError: a target outside [0, V) other than ignore_index. All before any compute.
+            int, label_smoothing not a number. ValueError: a weight whose width is not the input's last dimension, a
+            bias not (V,), a target not of the input's shape without E, an unknown reduction, label_smoothing outside
+            [0, 1]. IndexError: a target outside [0, V) other than ignore_index. All before any compute.
     """
     return linear_cross_entropy_forward(input, weight, target, bias, ignore_index=ignore_index,
                                         reduction=reduction, label_smoothing=label_smoothing,
@@ -150,7 +150,7 @@ def linear_cross_entropy_backward(grad_output, input, weight, target, logsumexp,
 
     Raises:
         as ``linear_cross_entropy``; and TypeError/ValueError: a grad_output, logsumexp or grads of another
-        type, dtype or shape than the loss's, the target's and the forward's gradients'.
+            type, dtype or shape than the loss's, the target's and the forward's gradients'.
     """
     x, w, b, tgt, shape, eps = _linear_cross_entropy_args(input, weight, target, bias, ignore_index, reduction,
                                                           label_smoothing)

@@ -32,7 +32,7 @@ def rotary_tables(max_positions, rotary_dim, base=ROTARY_BASE, dtype=np.float32)
 
     Raises:
         TypeError: max_positions or rotary_dim not an int, base not a number, another dtype. ValueError: a negative
-        max_positions, an odd or non-positive rotary_dim, a base that is not finite and > 0.
+            max_positions, an odd or non-positive rotary_dim, a base that is not finite and > 0.
 
     Source: Su et al., "RoFormer: Enhanced Transformer with Rotary Position Embedding" (2021).
     """

@@ -31,7 +31,7 @@ def dropout_mask(shape, p, seed):
 
     Raises:
         TypeError: shape not a sequence of ints, p not a float, seed not an int. ValueError: a negative
-        dimension, p outside [0, 1). MemoryError: a shape too large to allocate.
+            dimension, p outside [0, 1). MemoryError: a shape too large to allocate.
     """
     if not isinstance(shape, (tuple, list)) and not (isinstance(shape, np.ndarray) and shape.ndim == 1):
         raise TypeError(f"shape: expected a tuple of ints, got {type(shape).__name__}")
@@ -96,8 +96,8 @@ def linear_backward(grad_output, input, weight, grad_weight, grad_bias=None, nee
 
     Raises:
         TypeError: an argument that is not a float ndarray of the input's dtype. ValueError: shapes that do not
-        agree (grad_output must be input.shape[:-1] + (Fout,)), a grad_weight or grad_bias not C-contiguous
-        or read-only.
+            agree (grad_output must be input.shape[:-1] + (Fout,)), a grad_weight or grad_bias not C-contiguous
+            or read-only.
     """
     input = check_array(input, "input", min_ndim=1)
     dt = input.dtype
@@ -165,7 +165,7 @@ def dropout_backward(grad_output, p, seed):
 
     Raises:
         TypeError: a non-float grad_output, a non-number p, a seed not an int. ValueError: p outside [0, 1), no
-        seed (None) with p > 0: the forward's seed is needed.
+            seed (None) with p > 0: the forward's seed is needed.
     """
     grad_output = check_array(grad_output, "grad_output")
     p = check_probability(p, "p")
@@ -191,7 +191,7 @@ def embedding(input, weight):
 
     Raises:
         TypeError: non-integer indices or a non-float weight. ValueError: a weight that is not 2-D. IndexError: an
-        index outside [0, V).
+            index outside [0, V).
     """
     weight = check_array(weight, "weight", ndim=2)
     index = check_index(input, "input", weight.shape[0])
@@ -210,7 +210,7 @@ def embedding_backward(grad_output, input, grad_weight):
     Raises:
         TypeError: non-integer indices, a grad_output or grad_weight not a float ndarray, or of different dtypes.
         ValueError: grad_output not of shape input.shape + (E,), grad_weight not 2-D, C-contiguous and
-        writeable. IndexError: an index outside [0, V).
+            writeable. IndexError: an index outside [0, V).
     """
     grad_weight = check_array(grad_weight, "grad_weight", ndim=2, written=True)
     grad_output = check_array(grad_output, "grad_output", dtype=grad_weight.dtype)
@@ -241,8 +241,8 @@ def cross_entropy_forward(input, target, ignore_index=-100, reduction="mean"):
 
     Returns:
         (loss, stats): the loss as ``cross_entropy`` gives it, and stats (N, 2), each row's maximum logit and
-        log-sum-exp of (logits - maximum), so that logsumexp = stats[:, 0] + stats[:, 1] (float32 for
-        half-precision logits). Pass stats to ``cross_entropy_backward``.
+            log-sum-exp of (logits - maximum), so that logsumexp = stats[:, 0] + stats[:, 1] (float32 for
+            half-precision logits). Pass stats to ``cross_entropy_backward``.
     """
     logits, tgt = _cross_entropy_args(input, target, ignore_index, reduction)
     acc = compute_dtype(logits.dtype)  # (half-precision logits: losses, statistics and reduction in float32)
@@ -279,7 +279,7 @@ def cross_entropy(input, target, ignore_index=-100, reduction="mean"):
 
     Raises:
         TypeError: non-float input, non-integer target, ignore_index not an int. ValueError: shapes that do not
-        agree, an unknown reduction. IndexError: a target outside [0, C) other than ignore_index.
+            agree, an unknown reduction. IndexError: a target outside [0, C) other than ignore_index.
     """
     return cross_entropy_forward(input, target, ignore_index, reduction)[0]
 
@@ -296,7 +296,7 @@ def cross_entropy_backward(grad_output, input, target, stats, ignore_index=-100,
 
     Raises:
         as ``cross_entropy``; and TypeError/ValueError: a grad_output or stats of another type, dtype or shape
-        than the loss's and (N, 2).
+            than the loss's and (N, 2).
     """
     logits, tgt = _cross_entropy_args(input, target, ignore_index, reduction)
     check_loss_grad(grad_output, logits.dtype, (tgt.shape if input.ndim == 2 else ()) if reduction == "none"

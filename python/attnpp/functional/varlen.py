@@ -79,12 +79,12 @@ def scaled_dot_product_attention_varlen_forward(query, key, value, cu_seqlens_q,
 
     Returns:
         ``AttentionForward(output, logsumexp, seed)``: output (Tq, Hq, Dv); logsumexp (Hq, Tq) (FlashAttention's
-        layout); seed as in ``scaled_dot_product_attention_forward``.
+            layout); seed as in ``scaled_dot_product_attention_forward``.
 
     Raises:
         TypeError: arrays that are not float ndarrays of one dtype, integer offsets of another type.
         ValueError: shapes that do not agree, offsets that do not run from 0 to Tq (Tk) without decreasing, or
-        other numbers of sequences; the option errors of ``scaled_dot_product_attention``.
+            other numbers of sequences; the option errors of ``scaled_dot_product_attention``.
     """
     p = _Varlen(query, key, value, cu_seqlens_q, cu_seqlens_k, dropout_p, is_causal, scale, seed, causal_alignment,
                 window, alibi_slopes, softcap, sinks)
@@ -168,9 +168,9 @@ def scaled_dot_product_attention_with_kvcache(query, key_cache, value_cache, cac
 
     Raises:
         TypeError: arrays that are not float ndarrays of one dtype (but for float32 queries over a half-precision
-        cache), a cache that is not a writeable ndarray.
+            cache), a cache that is not a writeable ndarray.
         ValueError: shapes that do not agree, a cache without room for the new keys (cache_seqlens[b] + L >
-        S_max), negative lengths, key without value; the option errors of ``scaled_dot_product_attention``.
+            S_max), negative lengths, key without value; the option errors of ``scaled_dot_product_attention``.
     """
     query = check_array(query, "query", ndim=4)
     key_cache = check_array(key_cache, "key_cache", ndim=4, written=True)

@@ -112,12 +112,12 @@ class Attention(WeightLoading, Module):
 
     Raises:
         ValueError: H not dividing qk_dim or v_dim, a non-positive width, dropout outside [0, 1), a window side
-        below -1, a negative or infinite softcap, alibi slopes of another shape than (H,) or not finite, an odd
-        rotary_dim or one above the head width (or an odd head width with rotary=True and no rotary_dim), a
-        rotary_base that is not finite and > 0, rotary_dim/rotary_base/rotary_interleaved without rotary=True.
+            below -1, a negative or infinite softcap, alibi slopes of another shape than (H,) or not finite, an odd
+            rotary_dim or one above the head width (or an odd head width with rotary=True and no rotary_dim), a
+            rotary_base that is not finite and > 0, rotary_dim/rotary_base/rotary_interleaved without rotary=True.
         TypeError: another dtype, widths that are not ints, dropouts that are not floats,
-        a window that is not two ints, alibi that is neither a bool nor a float array, sinks/rotary/
-        rotary_interleaved that are not bools, a softcap or rotary_base that is not a number.
+            a window that is not two ints, alibi that is neither a bool nor a float array, sinks/rotary/
+            rotary_interleaved that are not bools, a softcap or rotary_base that is not a number.
         MemoryError: widths too large to allocate.
     """
 
@@ -211,15 +211,15 @@ class Attention(WeightLoading, Module):
 
         Returns:
             out (ndarray): (B, L, out_dim) or (L, out_dim); with ``need_weights``, ``(out, weights)``. A query
-            whose keys are all masked attends to nothing: its attention output is 0.
+                whose keys are all masked attends to nothing: its attention output is 0.
 
         Raises:
             TypeError: inputs of another dtype than the layer's, a mask that is not an array, a kv_cache that is
-            not a KVCache.
+                not a KVCache.
             ValueError: shapes that do not agree (named with their shapes), a sequence longer than
-            context_length; with kv_cache: a layer that is not causal self-attention, context,
-            key_padding_mask or need_weights given, dropout active, x not (B, L_new, E) for the cache's B, a cache
-            of other heads, widths or dtype, or without room for L_new more tokens.
+                context_length; with kv_cache: a layer that is not causal self-attention, context,
+                key_padding_mask or need_weights given, dropout active, x not (B, L_new, E) for the cache's B, a cache
+                of other heads, widths or dtype, or without room for L_new more tokens.
         """
         if kv_cache is not None:
             return self._decode(x, context, key_padding_mask, need_weights, kv_cache)
@@ -270,7 +270,7 @@ class Attention(WeightLoading, Module):
 
         Raises:
             ValueError: a layer that is not causal self-attention (causal=True, kv_dim == embed_dim), sizes below
-            1, max_length above context_length. TypeError: sizes that are not ints, another dtype.
+                1, max_length above context_length. TypeError: sizes that are not ints, another dtype.
         """
         self._check_decoding()
         max_length = checks.check_int(max_length, "max_length", 1)
@@ -348,8 +348,8 @@ class Attention(WeightLoading, Module):
 
         Returns:
             grad_x for self-attention (``context=None``), ``(grad_x, grad_context)`` when a context was given,
-            shaped like the inputs.
-            Accumulates (+=) into every parameter's ``grad`` (``sinks`` included).
+                shaped like the inputs.
+                Accumulates (+=) into every parameter's ``grad`` (``sinks`` included).
 
         Raises:
             ValueError: no forward context left, grad_output of another shape than its forward's output.

@@ -17,7 +17,7 @@ class Dropout(Module):
 
     Raises:
         TypeError/ValueError: p not a float in [0, 1); ValueError: backward with no forward context left
-        (see ``attnpp.nn.Module``).
+            (see ``attnpp.nn.Module``).
     """
 
     def __init__(self, p=0.5):

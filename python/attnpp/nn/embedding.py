@@ -21,7 +21,7 @@ class Embedding(Module):
 
     Raises:
         TypeError: non-integer indices. IndexError: an index outside [0, V). ValueError: backward with no
-        forward context left (see ``attnpp.nn.Module``), or a grad_output of another shape.
+            forward context left (see ``attnpp.nn.Module``), or a grad_output of another shape.
     """
 
     def __init__(self, num_embeddings, embedding_dim, dtype=None):

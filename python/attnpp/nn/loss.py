@@ -18,8 +18,8 @@ class CrossEntropyLoss(Module):
 
     Raises:
         TypeError: ignore_index not an int. ValueError: an unknown reduction. The backward raises as every
-        layer's (see ``attnpp.nn.Module``): ValueError with no forward context left or a grad_output of another
-        shape than the loss's, TypeError for one of another type or dtype.
+            layer's (see ``attnpp.nn.Module``): ValueError with no forward context left or a grad_output of another
+            shape than the loss's, TypeError for one of another type or dtype.
     """
 
     def __init__(self, ignore_index=-100, reduction="mean"):
@@ -60,8 +60,8 @@ class LinearCrossEntropyLoss(Module):
 
     Raises:
         TypeError: ignore_index not an int, label_smoothing not a number. ValueError: an unknown reduction,
-        label_smoothing outside [0, 1]. The forward raises as ``attnpp.functional.linear_cross_entropy``; the
-        backward as every layer's (see ``attnpp.nn.Module``).
+            label_smoothing outside [0, 1]. The forward raises as ``attnpp.functional.linear_cross_entropy``; the
+            backward as every layer's (see ``attnpp.nn.Module``).
     """
 
     def __init__(self, ignore_index=-100, reduction="mean", label_smoothing=0.0):

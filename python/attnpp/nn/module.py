@@ -240,12 +240,12 @@ class Module:
 
         Returns:
             ``IncompatibleKeys(missing_keys, unexpected_keys)``, two lists of names, as PyTorch's (empty when
-            strict, which raises instead).
+                strict, which raises instead).
 
         Raises:
             ValueError: missing or unexpected keys (when strict), or a value of another shape.
             TypeError: a state_dict that is not a mapping, a value that is not an array or tensor, or not of a
-            floating dtype.
+                floating dtype.
         """
         if not isinstance(state_dict, Mapping):
             raise TypeError(f"state_dict: expected a mapping of names to arrays, got {type(state_dict).__name__}")

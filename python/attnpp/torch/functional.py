@@ -92,22 +92,22 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
         key_padding_mask (Tensor, optional, keyword-only, attnpp's): (B..., S) or (S,), bool (True where a key is
             *masked out*, as ``torch.nn.MultiheadAttention``'s) or float (added to every query's scores); unlike
             ``attn_mask`` it combines with ``is_causal``, without an (L, S) tensor. Default: None.
-        (The definitions and sources of the variants: ``attnpp.functional.scaled_dot_product_attention``.)
+    (The definitions and sources of the variants: ``attnpp.functional.scaled_dot_product_attention``.)
 
     Returns:
         Tensor (B..., Hq, L, Dv), or (L, Dv) unbatched. A query whose keys are all masked gives 0 (as
-        PyTorch >= 2.5), with gradient 0.
+            PyTorch >= 2.5), with gradient 0.
 
     Tensors on the ``meta`` device (and torch.compile's and torch.export's fake tensors) give an output of the
     right shape and dtype without compute.
 
     Raises:
         TorchValueError (a ValueError and a RuntimeError): a tensor not on the CPU; shapes that do not agree or
-        broadcast, dropout_p outside [0, 1), attn_mask with is_causal=True (a CausalBias included), a CausalBias
-        of another (L, S), a mask that requires grad, the variants' bad values (a window side below -1, a
-        negative softcap, alibi_slopes or sinks of another shape). TorchTypeError (a TypeError and a
-        RuntimeError): dtypes other than float32, float64, float16 or bfloat16 (bool for the mask) or mixed, a
-        non-tensor (sinks included), a tensor subclass or a sparse tensor.
+            broadcast, dropout_p outside [0, 1), attn_mask with is_causal=True (a CausalBias included), a CausalBias
+            of another (L, S), a mask that requires grad, the variants' bad values (a window side below -1, a
+            negative softcap, alibi_slopes or sinks of another shape). TorchTypeError (a TypeError and a
+            RuntimeError): dtypes other than float32, float64, float16 or bfloat16 (bool for the mask) or mixed, a
+            non-tensor (sinks included), a tensor subclass or a sparse tensor.
     """
     if attn_mask is None and sinks is None and window is None and alibi_slopes is None and softcap is None \
             and key_padding_mask is None:
@@ -152,7 +152,7 @@ def linear(input, weight, bias=None):
 
     Raises:
         TorchValueError: a tensor not on the CPU, shapes that do not agree. TorchTypeError: other or mixed
-        dtypes, a tensor subclass.
+            dtypes, a tensor subclass.
     """
     _check_linear_args(input, weight, bias)
     return _ops.apply_linear(input, weight, bias)

@@ -108,9 +108,9 @@ class MultiheadAttention(torch.nn.MultiheadAttention):
 
         Returns:
             (attn_output, attn_weights): attn_output (L, B, E), (B, L, E) when ``batch_first``, or (L, E);
-            attn_weights (B, L, S') averaged or (B, H, L, S') per head ((L, S') or (H, L, S') unbatched), after
-            dropout as in PyTorch, without gradient; None when ``need_weights=False``. A query whose keys are
-            all masked gives 0 (PyTorch's weights path gives NaN there).
+                attn_weights (B, L, S') averaged or (B, H, L, S') per head ((L, S') or (H, L, S') unbatched), after
+                dropout as in PyTorch, without gradient; None when ``need_weights=False``. A query whose keys are
+                all masked gives 0 (PyTorch's weights path gives NaN there).
 
         Raises:
             ValueError: tensors not on the CPU, shapes that do not agree, is_causal without attn_mask.
@@ -201,9 +201,9 @@ class Attention(torch.nn.Module):
 
     Raises:
         ValueError: H not dividing qk_dim or v_dim, a non-positive width, dropout outside [0, 1), an unknown
-        causal_alignment. TypeError: a dtype other than float32, float64, float16 or bfloat16, widths that are
-        not ints. And the variants' errors, as ``attnpp.nn.Attention`` lists them; ValueError: a
-        ``context_parallel_group`` with a variant it does not take (alibi, softcap, sinks) or an unknown layout.
+            causal_alignment. TypeError: a dtype other than float32, float64, float16 or bfloat16, widths that are
+            not ints. And the variants' errors, as ``attnpp.nn.Attention`` lists them; ValueError: a
+            ``context_parallel_group`` with a variant it does not take (alibi, softcap, sinks) or an unknown layout.
     """
 
     def __init__(self, embed_dim, num_heads=1, *, qk_dim=None, v_dim=None, kv_dim=None, out_dim=None, bias=True,
@@ -260,12 +260,12 @@ class Attention(torch.nn.Module):
 
         Returns:
             out (Tensor): (B, L, out_dim) or (L, out_dim); with ``need_weights``, ``(out, weights)``. A query
-            whose keys are all masked attends to nothing: its attention output is 0.
+                whose keys are all masked attends to nothing: its attention output is 0.
 
         Raises:
             ValueError: tensors not on the CPU, shapes that do not agree, a sequence longer than
-            context_length. TypeError: dtypes other than float32, float64, float16 or bfloat16, or mixed (masks
-            may be bool).
+                context_length. TypeError: dtypes other than float32, float64, float16 or bfloat16, or mixed (masks
+                may be bool).
         """
         context = self._check(x, context, key_padding_mask)
         batched = x.dim() == 3
