@@ -21,7 +21,7 @@ from ._args import (additive_mask, attention_params, causal_mode, get_alibi_slop
 from .attention import (AttentionForward, _plain_forward, _Problem, scaled_dot_product_attention,
                         scaled_dot_product_attention_backward, scaled_dot_product_attention_forward,
                         scaled_dot_product_attention_weights)
-from .linear_cross_entropy import (LinearCrossEntropyForward, linear_cross_entropy, linear_cross_entropy_backward,
+from .fused_loss import (LinearCrossEntropyForward, linear_cross_entropy, linear_cross_entropy_backward,
                                    linear_cross_entropy_forward)
 from .rotary import rotary_embedding, rotary_embedding_backward, rotary_tables
 from .training import (cross_entropy, cross_entropy_backward, cross_entropy_forward,
