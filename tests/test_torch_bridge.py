@@ -794,3 +794,30 @@ def test_attention_variants_equal_attnpp_nn_and_train_sinks():
     torch.optim.SGD(m.parameters(), lr=0.1).step()
     assert_close(m.sinks.detach(), before - 0.1 * m.sinks.grad, "sinks after a step")
     assert "sinks=True" in repr(m) and "alibi=[0.2, 0.9]" in repr(m)
+
+
+@pytest.mark.parametrize("alignment", ["top_left", "bottom_right"])
+def test_attention_padding_with_causal_keeps_the_causal_kernel(alignment, monkeypatch):
+    """attnpp.torch.Attention with a causal mask and key padding: output and gradients equal PyTorch's SDPA with
+    the dense mask, and the kernel gets is_causal plus the (B, S) padding, never a dense (L, S) mask (so it skips
+    the blocks above the diagonal, as attnpp.nn.Attention does)."""
+    torch.manual_seed(0)
+    B, L, S, E, H = 3, 5, 7, 16, 2
+    layer = at.Attention(E, H, causal=True, causal_alignment=alignment, dtype=f64)
+    x, context = randn(B, L, E), randn(B, S, E)
+    kpm = torch.zeros(B, S, dtype=torch.bool)
+    kpm[0, 5:], kpm[2, :2] = True, True
+    calls = []
+    real = AF.scaled_dot_product_attention_forward
+    monkeypatch.setattr(AF, "scaled_dot_product_attention_forward",
+                        lambda *a, **kw: calls.append((a[3] if len(a) > 3 else kw.get("attn_mask"),
+                                                       a[5] if len(a) > 5 else kw.get("is_causal"))) or real(*a, **kw))
+    out = layer(x, context, key_padding_mask=kpm)
+
+    heads = lambda t: t.unflatten(-1, (H, -1)).transpose(1, 2)
+    q, k, v = heads(layer.q_proj(x)), heads(layer.k_proj(context)), heads(layer.v_proj(context))
+    hidden = torch.ones(L, S, dtype=torch.bool).triu((S - L if alignment == "bottom_right" else 0) + 1)
+    ref = TF.scaled_dot_product_attention(q, k, v, attn_mask=~hidden & ~kpm[:, None, None, :])
+    ref = layer.out_proj(ref.transpose(1, 2).reshape(B, L, E))
+    assert_same_grads(out, ref, [x, context], [x, context], ["x", "context"])
+    assert calls and all(mask is None and causal for mask, causal in calls), calls

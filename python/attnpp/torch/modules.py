@@ -278,17 +278,14 @@ class Attention(torch.nn.Module):
         if self.context_parallel_group is not None:
             out, weights = self._context_parallel(q, k, v, context is not x, key_padding_mask, need_weights), None
         else:
-            mask, causal = None, self.causal
-            if key_padding_mask is not None:
-                mask = additive_mask(key_padding_mask, x.dtype, "key_padding_mask").reshape(B, 1, 1, S)
-                if causal:  # the kernel takes a mask or is_causal: the causal mask joins the padding one
-                    diagonal = S - L if self.causal_alignment == "bottom_right" else 0
-                    hidden = torch.ones(L, S, dtype=torch.bool).triu(diagonal + 1)
-                    mask, causal = mask + additive_mask(hidden, x.dtype, "causal mask"), False
+            # the padding as key_padding_mask (B, S), which combines with the causal flag: no (L, S) mask, and
+            # the causal kernel keeps skipping the blocks above the diagonal, as attnpp.nn.Attention does
+            kpm = None if key_padding_mask is None else key_padding_mask.reshape(B, S)
             p = self.attn_dropout if self.training else 0.0
-            out, weights, self.last_seed = _attention(q, k, v, mask, p, causal, self.scale, False, None,
+            out, weights, self.last_seed = _attention(q, k, v, None, p, self.causal, self.scale, False, None,
                                                       self.causal_alignment, need_weights, self.window,
-                                                      self._alibi_tensor, self.softcap, self.sinks)
+                                                      self._alibi_tensor, self.softcap, self.sinks,
+                                                      key_padding_mask=kpm)
         y = out.transpose(1, 2).reshape(B, L, self.v_dim)
         y = self.out_drop(y if self.out_proj is None else self.out_proj(y))
         if not batched:
