@@ -70,6 +70,25 @@ x, w = rng.standard_normal((50, 40)), rng.standard_normal((30, 40))
 np.save(__import__("sys").argv[1], np.concatenate([a.ravel() for a in (out, lse, *grads, F.linear(x, w))]))
 """
 
+# The float32 computations of article 001's training (attention forward and backward, linear, cross-entropy, the
+# fused loss): avx512_bf16 adds bfloat16 instructions only, so it must repeat avx512 bit for bit in float32 and
+# float64 (.ci/run relies on it: it runs notebook 001 at one of the two).
+FLOAT_RUN = """
+import sys, numpy as np, attnpp.functional as F
+rng = np.random.default_rng(0)
+out = []
+for dt in (np.float32, np.float64):
+    q, k, v = (rng.standard_normal((2, 3, 77, 64)).astype(dt) for _ in range(3))
+    o, lse, _ = F.scaled_dot_product_attention_forward(q, k, v, is_causal=True)
+    grads = F.scaled_dot_product_attention_backward(np.cos(o), q, k, v, o, lse, is_causal=True)
+    x, w, t = rng.standard_normal((30, 5)).astype(dt), rng.standard_normal((5000, 5)).astype(dt), rng.integers(0, 5000, 30)
+    logits = F.linear(x, w)
+    loss, stats = F.cross_entropy_forward(logits, t)
+    fused = F.linear_cross_entropy_forward(x, w, t)
+    out += [o, lse, *grads, logits, loss, stats, fused[0], fused[1]]
+np.save(sys.argv[1], np.concatenate([np.asarray(a, np.float64).ravel() for a in out]))
+"""
+
 
 def test_levels_agree(tmp_path):
     results = {}
@@ -84,3 +103,15 @@ def test_levels_agree(tmp_path):
         assert np.array_equal(np.isfinite(r), np.isfinite(base))
         finite = np.isfinite(base)
         assert np.abs(r[finite] - base[finite]).max() / scale <= 1e-12, level
+
+
+def test_avx512_bf16_repeats_avx512_in_float32_and_float64(tmp_path):
+    if "avx512_bf16" not in CONFIG["levels_supported"]:
+        pytest.skip("this CPU has no AVX512_BF16")
+    results = []
+    for level in ("avx512", "avx512_bf16"):
+        path = tmp_path / f"{level}.npy"
+        env = dict(os.environ, ATTNPP_CPU_CAPABILITY=level)
+        subprocess.run([sys.executable, "-c", FLOAT_RUN, str(path)], env=env, check=True, timeout=300)
+        results.append(np.load(path))
+    assert np.array_equal(*results)
