@@ -158,6 +158,46 @@ def check_loss_grad(grad_output, dtype, shape):
         raise ValueError(f"grad_output: expected shape {shape} (the loss's), got {grad_output.shape}")
 
 
+def check_multihead_attention_shapes(query, key, value, key_padding_mask, attn_mask, is_causal, embed_dim, kdim,
+                                     vdim, num_heads, batch_first):
+    """The shapes of ``MultiheadAttention``'s inputs (``attnpp.nn``'s and ``attnpp.torch``'s: arrays or tensors,
+    their types checked by the layer), as ``torch.nn.MultiheadAttention`` takes them: query (L, B, embed_dim),
+    key (S, B, kdim) and value (S, B, vdim), batch first with ``batch_first``, or all unbatched (L, E), (S, kdim),
+    (S, vdim); key_padding_mask (B, S) or (S,); attn_mask (L, S) or (B * num_heads, L, S); is_causal only with
+    attn_mask. Returns (batched, batch_first_layout, B, L, S), batch_first_layout True when the batch is the
+    first dimension (or there is none); ValueError naming the input at fault and the shapes."""
+    q, k, v = (tuple(t.shape) for t in (query, key, value))
+    if len(q) not in (2, 3) or not len(q) == len(k) == len(v):
+        raise ValueError(f"query, key and value must all be batched (3-D) or all unbatched (2-D), got "
+                         f"query {q}, key {k}, value {v}")
+    for name, shape, width, wname in (("query", q, embed_dim, "embed_dim"), ("key", k, kdim, "kdim"),
+                                      ("value", v, vdim, "vdim")):
+        if shape[-1] != width:
+            raise ValueError(f"{name}: expected last dimension {wname}={width}, got shape {shape}")
+    if k[:-1] != v[:-1]:
+        raise ValueError(f"key and value must have the same batch and sequence dimensions, got key {k} and value {v}")
+    batched = len(q) == 3
+    bf = batch_first or not batched
+    b, t = (0, 1) if bf else (1, 0)
+    B, L, S = (q[b], q[t], k[t]) if batched else (1, q[0], k[0])
+    if batched and k[b] != B:
+        raise ValueError(f"query and key must have the same batch size, got query {q} and key {k} "
+                         f"(batch_first={batch_first})")
+    if key_padding_mask is not None:
+        want = (B, S) if batched else (S,)
+        if tuple(key_padding_mask.shape) != want:
+            raise ValueError(f"key_padding_mask: expected shape (B, S) = {want}, got {tuple(key_padding_mask.shape)}")
+    if attn_mask is not None:
+        want = [(L, S), (B * num_heads, L, S)]
+        if tuple(attn_mask.shape) not in want:
+            raise ValueError(f"attn_mask: expected shape (L, S) = {want[0]} or (B * num_heads, L, S) = {want[1]}, "
+                             f"got {tuple(attn_mask.shape)}")
+    elif is_causal:
+        raise ValueError("is_causal=True is a hint that attn_mask is the causal mask: attn_mask is required, "
+                         "as in PyTorch")
+    return batched, bf, B, L, S
+
+
 def check_attention_layer_shapes(x, context, key_padding_mask, embed_dim, kv_dim, context_length):
     """The shapes of an attention layer's inputs (``attnpp.nn.Attention``'s and ``attnpp.torch.Attention``'s:
     arrays or tensors, their types checked by the layer): x (B, L, embed_dim) or (L, embed_dim); context (B, S,

@@ -109,41 +109,11 @@ class MultiheadAttention(Module):
         checks.check_array(query, "query", ndim=(2, 3), dtype=dt)
         checks.check_array(key, "key", ndim=(2, 3), dtype=dt)
         checks.check_array(value, "value", ndim=(2, 3), dtype=dt)
-        if not query.ndim == key.ndim == value.ndim:
-            raise ValueError(f"query, key and value must all be batched (3-D) or all unbatched (2-D), got "
-                             f"query {query.shape}, key {key.shape}, value {value.shape}")
-        for name, x, width, wname in (("query", query, E, "embed_dim"), ("key", key, self.kdim, "kdim"),
-                                      ("value", value, self.vdim, "vdim")):
-            if x.shape[-1] != width:
-                raise ValueError(f"{name}: expected last dimension {wname}={width}, got shape {x.shape}")
-        if key.shape[:-1] != value.shape[:-1]:
-            raise ValueError(f"key and value must have the same batch and sequence dimensions, got key "
-                             f"{key.shape} and value {value.shape}")
-        batched = query.ndim == 3
-        bf = self.batch_first or not batched
-        q3, k3 = (query, key) if batched else (query[None], key[None])
-        B, L = (q3.shape[0], q3.shape[1]) if bf else (q3.shape[1], q3.shape[0])
-        Bk, S = (k3.shape[0], k3.shape[1]) if bf else (k3.shape[1], k3.shape[0])
-        if Bk != B:
-            raise ValueError(f"query and key must have the same batch size, got query {query.shape} and key "
-                             f"{key.shape} (batch_first={self.batch_first})")
-        if key_padding_mask is not None:
-            want = (B, S) if batched else (S,)
-            if not isinstance(key_padding_mask, np.ndarray):
-                raise TypeError(f"key_padding_mask: expected a numpy.ndarray, got {type(key_padding_mask).__name__}")
-            if key_padding_mask.shape != want:
-                raise ValueError(f"key_padding_mask: expected shape (B, S) = {want}, got {key_padding_mask.shape}")
-        if attn_mask is not None:
-            want = [(L, S), (B * H, L, S) if batched else (H, L, S)]
-            if not isinstance(attn_mask, np.ndarray):
-                raise TypeError(f"attn_mask: expected a numpy.ndarray, got {type(attn_mask).__name__}")
-            if attn_mask.shape not in want:
-                raise ValueError(f"attn_mask: expected shape (L, S) = {want[0]} or (B * num_heads, L, S) = "
-                                 f"{want[1]}, got {attn_mask.shape}")
-        if is_causal and attn_mask is None:
-            raise ValueError("is_causal=True is a hint that attn_mask is the causal mask: attn_mask is required, "
-                             "as in PyTorch")
-        return batched, bf, B, L, S
+        for mask, name in ((key_padding_mask, "key_padding_mask"), (attn_mask, "attn_mask")):
+            if mask is not None and not isinstance(mask, np.ndarray):
+                raise TypeError(f"{name}: expected a numpy.ndarray, got {type(mask).__name__}")
+        return checks.check_multihead_attention_shapes(query, key, value, key_padding_mask, attn_mask, is_causal, E,
+                                                       self.kdim, self.vdim, H, self.batch_first)
 
     # ----------------------------------------------------------------------------------------------- forward
     @locked

@@ -8,7 +8,7 @@ torch.export's fake tensors) given shapes only; the errors each forward lists ar
 and ``TorchTypeError`` (also RuntimeErrors) where they come from those checks and from the operators."""
 import torch
 
-from .._checks import check_attention_layer_shapes
+from .._checks import check_attention_layer_shapes, check_multihead_attention_shapes
 from ..functional.rotary import ROTARY_BASE
 from ..nn.attention import attention_config_of, variant_args
 from . import _ops
@@ -54,38 +54,13 @@ class MultiheadAttention(torch.nn.MultiheadAttention):
         """Returns (batched, seq_first, B, L, S), or ValueError for shapes that do not agree."""
         for t, name in ((query, "query"), (key, "key"), (value, "value")):
             check_tensor(t, name)
-        if query.dim() not in (2, 3) or not query.dim() == key.dim() == value.dim():
-            raise ValueError(f"query, key and value must all be batched (3-D) or all unbatched (2-D), got "
-                             f"query {tuple(query.shape)}, key {tuple(key.shape)}, value {tuple(value.shape)}")
-        for name, t, width, wname in (("query", query, self.embed_dim, "embed_dim"), ("key", key, self.kdim, "kdim"),
-                                      ("value", value, self.vdim, "vdim")):
-            if t.shape[-1] != width:
-                raise ValueError(f"{name}: expected last dimension {wname}={width}, got shape {tuple(t.shape)}")
-        if key.shape[:-1] != value.shape[:-1]:
-            raise ValueError(f"key and value must have the same batch and sequence dimensions, got key "
-                             f"{tuple(key.shape)} and value {tuple(value.shape)}")
-        batched = query.dim() == 3
-        seq_first = batched and not self.batch_first
-        b, t = (1, 0) if seq_first else (0, 1)
-        B, L, S = (query.shape[b], query.shape[t], key.shape[t]) if batched else (1, query.shape[0], key.shape[0])
-        if batched and key.shape[b] != B:
-            raise ValueError(f"query and key must have the same batch size, got query {tuple(query.shape)} and "
-                             f"key {tuple(key.shape)} (batch_first={self.batch_first})")
-        if key_padding_mask is not None:
-            check_tensor(key_padding_mask, "key_padding_mask", mask=True)
-            want = (B, S) if batched else (S,)
-            if tuple(key_padding_mask.shape) != want:
-                raise ValueError(f"key_padding_mask: expected shape {want}, got {tuple(key_padding_mask.shape)}")
-        if attn_mask is not None:
-            check_tensor(attn_mask, "attn_mask", mask=True)
-            want = [(L, S), (B * self.num_heads, L, S)]
-            if tuple(attn_mask.shape) not in want:
-                raise ValueError(f"attn_mask: expected shape (L, S) = {want[0]} or (B * num_heads, L, S) = "
-                                 f"{want[1]}, got {tuple(attn_mask.shape)}")
-        elif is_causal:
-            raise ValueError("is_causal=True is a hint that attn_mask is the causal mask: attn_mask is required, "
-                             "as in PyTorch")
-        return batched, seq_first, B, L, S
+        for mask, name in ((key_padding_mask, "key_padding_mask"), (attn_mask, "attn_mask")):
+            if mask is not None:
+                check_tensor(mask, name, mask=True)
+        batched, batch_first_layout, B, L, S = check_multihead_attention_shapes(
+            query, key, value, key_padding_mask, attn_mask, is_causal, self.embed_dim, self.kdim, self.vdim,
+            self.num_heads, self.batch_first)
+        return batched, not batch_first_layout, B, L, S
 
     def forward(self, query, key, value, key_padding_mask=None, need_weights=True, attn_mask=None,
                 average_attn_weights=True, is_causal=False):
