@@ -439,7 +439,8 @@ void backward(const View4<T>& dq, const View4<T>& dk, const View4<T>& dv, comput
 // two inputs P's, those of the weights or their gradient W's; bfloat16 pairs at the avx512_bf16 level when the
 // arrays can be read as pairs, else in float with the weights rounded to bfloat16 under flash numerics.
 template <typename T, typename F>
-void with_products(const AttnConfig<T>& cfg, std::initializer_list<const View4<const T>*> arrays, F&& f) {
+void with_products(const AttnConfig<T>& cfg, [[maybe_unused]] std::initializer_list<const View4<const T>*> arrays,
+                   F&& f) {
 #if defined(__AVX512BF16__)
   if constexpr (std::is_same_v<T, bfloat16>)
     if (PairProducts::fit(arrays, {cfg.D, cfg.Dv}))

@@ -1,14 +1,13 @@
 // Shared pieces of the attnpp core: strided views, masks, the dropout hash.
 #pragma once
 
-#include <omp.h>
-
 #include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <exception>
 #include <algorithm>
 #include <limits>
+#include <string>
 #include <vector>
 
 #include <Eigen/Dense>
@@ -51,14 +50,22 @@ inline bool worth_threads(int64_t work) { return work >= (int64_t(1) << 17); }
 
 // The number of threads of attnpp's parallel loops, one setting for the whole process and every CPU level
 // (OpenMP's own setting belongs to the calling thread: a Python thread started later would not see
-// set_num_threads). Defined in dispatch.cpp.
+// set_num_threads). Defined in threads.cpp, with the two below.
 int thread_count();
 void set_thread_count(int n);
+// Runs task(context, t) for the members t of a team of at most `threads` threads, t = 0 on the calling thread,
+// and returns when all have returned: OpenMP's team, or threads.cpp's pool in a build without OpenMP. The team
+// may be smaller than asked (a loop inside a loop's body, the pool busy with another caller's loop).
+using TeamTask = void (*)(void* context, int t);
+void run_team(int threads, TeamTask task, void* context);
+// "OpenMP <_OPENMP>" or "std::thread pool (built without OpenMP)" (show_config).
+std::string threading_runtime();
 
-// body(i) for i in [0, n): on the OpenMP threads when `work` is worth it, else in a plain loop (an OpenMP region
-// with a false `if` still sets up a team, about a microsecond). Each thread owns a contiguous share of the tasks,
-// [t n / T, (t + 1) n / T), as a static split gives, and takes them one by one; a thread done with its own share
-// then takes the others' remaining tasks, one by one as well (dynamic scheduling's balance).
+// body(i) for i in [0, n): on the threads (run_team) when `work` is worth it, else in a plain loop (an OpenMP
+// region with a false `if` still sets up a team, about a microsecond). Each thread owns a contiguous share of the
+// tasks, [t n / T, (t + 1) n / T), as a static split gives, and takes them one by one; a thread done with its own
+// share then takes the others' remaining tasks, one by one as well (dynamic scheduling's balance). Which thread
+// runs task i never changes what body(i) computes: results are the same on any thread count.
 // - The owned shares: thread t gets the same tasks, hence the same data, in every loop over the same tasks, within
 //   a call and from call to call (the fused loss's blocks of logits, written in one phase and read in the next, and
 //   again at the next training step). On this project's 2-vCPU host the two virtual CPUs sit, for tens of seconds
@@ -70,7 +77,7 @@ void set_thread_count(int n);
 //   keeps only the tasks it gets to; a plain static split waits for its whole share (article 001's training step
 //   on that host: 4.2 ms with a static split in such a phase, where one thread alone took 2.9).
 // An exception in a body (std::bad_alloc from a block buffer) stops the remaining tasks and is rethrown here: one
-// escaping an OpenMP region would terminate the process.
+// escaping an OpenMP region (or a pool thread) would terminate the process.
 template <typename F>
 void parallel_for(int64_t n, int64_t work, F&& body) {
   const int threads = thread_count();
@@ -86,9 +93,9 @@ void parallel_for(int64_t n, int64_t work, F&& body) {
   for (int s = 0; s < threads; ++s) next[s].i.store(share_begin(s), std::memory_order_relaxed);
   std::exception_ptr error;
   std::atomic<bool> failed{false};
-#pragma omp parallel num_threads(threads)
-  {
-    const int t = omp_get_thread_num();  // (a smaller team than asked for takes over the missing threads' shares)
+  std::atomic_flag error_taken = ATOMIC_FLAG_INIT;
+  // thread t of the team; a smaller team than asked for takes over the missing threads' shares
+  auto member = [&](int t) {
     for (int k = 0; k < threads && !failed.load(std::memory_order_relaxed); ++k) {
       const int s = (t + k) % threads;  // its own share first, then the others'
       const int64_t end = share_begin(s + 1);
@@ -97,13 +104,13 @@ void parallel_for(int64_t n, int64_t work, F&& body) {
         try {
           body(i);
         } catch (...) {
-#pragma omp critical(attnpp_parallel_for_error)
-          if (!error) error = std::current_exception();
+          if (!error_taken.test_and_set()) error = std::current_exception();  // the first one
           failed = true;
         }
       }
     }
-  }
+  };
+  run_team(threads, [](void* m, int t) { (*static_cast<decltype(member)*>(m))(t); }, &member);
   if (error) std::rethrow_exception(error);
 }
 

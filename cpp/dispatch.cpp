@@ -1,25 +1,69 @@
-// The CPU level picked at import, and the process-wide thread count. Built for the baseline, like the bindings:
-// this file runs before anything knows what the CPU has.
-#include <omp.h>
-
+// The CPU level picked at import. Built for the baseline, like the bindings: this file runs before anything knows
+// what the CPU has.
 #include <algorithm>
-#include <atomic>
 #include <cctype>
+#include <cstdint>
 #include <stdexcept>
+
+#if defined(__x86_64__)
+#include <cpuid.h>
+#endif
 
 #include "kernels.hpp"
 
 namespace attnpp {
 namespace {
 
-// Whether the CPU (and the operating system, which must save the wider registers) runs a level's code. GCC's
-// x86-64-v3/v4 names test exactly the features of -march=x86-64-v3/v4, the flags the levels are built with.
+#if defined(__x86_64__)
+// The CPU's features, read with cpuid (GCC's and Clang's <cpuid.h>), and which register states the operating
+// system saves (xgetbv's XCR0). Read directly rather than with __builtin_cpu_supports, whose names differ between
+// compilers (Clang 14 knows neither "x86-64-v3" nor "f16c").
+struct X86Features {
+  unsigned l1c = 0, l7b = 0, l7d = 0, l71a = 0, ext1c = 0;  // leaf 1 ECX, leaf 7 EBX/EDX, 7.1 EAX, 0x80000001 ECX
+  uint64_t xcr0 = 0;
+  X86Features() {
+    unsigned a, b, c, d;
+    if (__get_cpuid(1, &a, &b, &c, &d)) l1c = c;
+    if (__get_cpuid_count(7, 0, &a, &b, &c, &d)) l7b = b, l7d = d;
+    if (__get_cpuid_count(7, 1, &a, &b, &c, &d)) l71a = a;
+    if (__get_cpuid(0x80000001, &a, &b, &c, &d)) ext1c = c;
+    if (l1c & (1u << 27)) {  // OSXSAVE: xgetbv is there
+      unsigned lo, hi;
+      __asm__("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
+      xcr0 = (uint64_t(hi) << 32) | lo;
+    }
+  }
+  static bool all(unsigned reg, std::initializer_list<int> bits) {
+    for (int b : bits)
+      if (!(reg & (1u << b))) return false;
+    return true;
+  }
+  // -march=x86-64-v3: x86-64-v2 (SSE3, SSSE3, SSE4.1, SSE4.2, POPCNT, CMPXCHG16B, LAHF) and AVX, AVX2, BMI1, BMI2,
+  // F16C, FMA, LZCNT, MOVBE, with the AVX state saved by the system
+  bool v3() const {
+    return all(l1c, {0, 9, 12, 13, 19, 20, 22, 23, 27, 28, 29}) && all(l7b, {3, 5, 8}) && all(ext1c, {0, 5}) &&
+           (xcr0 & 0x6) == 0x6;
+  }
+  // -march=x86-64-v4: v3 and AVX-512 F, DQ, CD, BW, VL, with the AVX-512 state (opmask, ZMM) saved
+  bool v4() const { return v3() && all(l7b, {16, 17, 28, 30, 31}) && (xcr0 & 0xe6) == 0xe6; }
+  bool f16c() const { return all(l1c, {29}); }
+  bool avx512_bf16() const { return all(l71a, {5}); }
+  bool avx512_fp16() const { return all(l7d, {23}); }
+  bool amx_bf16() const { return all(l7d, {22}); }
+};
+const X86Features& x86() {
+  static const X86Features features;
+  return features;
+}
+#endif
+
+// Whether the CPU (and the operating system, which must save the wider registers) runs a level's code: exactly the
+// features of the -march the level is built with.
 bool cpu_supports(const std::string& level) {
-#if defined(__x86_64__) || defined(_M_X64)
-  __builtin_cpu_init();
-  if (level == "avx2") return __builtin_cpu_supports("x86-64-v3");
-  if (level == "avx512") return __builtin_cpu_supports("x86-64-v4");
-  if (level == "avx512_bf16") return __builtin_cpu_supports("x86-64-v4") && __builtin_cpu_supports("avx512bf16");
+#if defined(__x86_64__)
+  if (level == "avx2") return x86().v3();
+  if (level == "avx512") return x86().v4();
+  if (level == "avx512_bf16") return x86().v4() && x86().avx512_bf16();
 #endif
   return level == "default";
 }
@@ -100,24 +144,13 @@ const Kernels<float16>& kernels<float16>() {
   return selected->kernels->f16;
 }
 
-namespace {
-std::atomic<int>& thread_count_setting() {
-  static std::atomic<int> n{omp_get_max_threads()};
-  return n;
-}
-}  // namespace
-
-int thread_count() { return thread_count_setting().load(std::memory_order_relaxed); }
-void set_thread_count(int n) { thread_count_setting() = n; }
-
 std::vector<std::string> cpu_half_features() {
   std::vector<std::string> found;
-#if defined(__x86_64__) || defined(_M_X64)
-  __builtin_cpu_init();
-  if (__builtin_cpu_supports("f16c")) found.push_back("F16C");
-  if (__builtin_cpu_supports("avx512bf16")) found.push_back("AVX512_BF16");
-  if (__builtin_cpu_supports("avx512fp16")) found.push_back("AVX512_FP16");
-  if (__builtin_cpu_supports("amx-bf16")) found.push_back("AMX-BF16");
+#if defined(__x86_64__)
+  if (x86().f16c()) found.push_back("F16C");
+  if (x86().avx512_bf16()) found.push_back("AVX512_BF16");
+  if (x86().avx512_fp16()) found.push_back("AVX512_FP16");
+  if (x86().amx_bf16()) found.push_back("AMX-BF16");
 #endif
   return found;
 }

@@ -281,12 +281,30 @@ void gemm_unpacked(T* C, int64_t ldc, Operand<T> A, const TB* B, int64_t ldb, in
 // instead of W horizontal sums. At the level of `Half`, lane l of a merge holds, in its block of 2 * Half lanes, the
 // sum of two lanes Half apart: of the first vector in the block's first half, of the second in its second half.
 namespace gemm_detail {
-template <typename T, int Half, int... L>
-constexpr auto merge_mask(std::integer_sequence<int, L...>, bool upper) {
+// Lane l of a merge at the level of `Half` takes lane merge_lane(l) of the two vectors' 2W lanes (the second's
+// from W), the lower or the upper of the two lanes it sums.
+template <typename T, int Half>
+constexpr int merge_lane(int l, bool upper) {
+  constexpr int W = Vec<T>::width;
+  return (l % (2 * Half) < Half ? l : W + l - Half) + (upper ? Half : 0);
+}
+// Those lanes of a and b, by the compiler's shuffle builtin: __builtin_shufflevector (Clang; GCC from 12) takes
+// them as constants, GCC's older __builtin_shuffle as a vector.
+template <typename T, int Half, bool Upper, int... L>
+inline typename Vec<T>::type merge_lanes(typename Vec<T>::type a, typename Vec<T>::type b,
+                                         std::integer_sequence<int, L...>) {
+#if defined(__has_builtin)
+#if __has_builtin(__builtin_shufflevector)
+#define ATTNPP_SHUFFLEVECTOR 1
+#endif
+#endif
+#if defined(ATTNPP_SHUFFLEVECTOR)
+  return __builtin_shufflevector(a, b, merge_lane<T, Half>(L, Upper)...);
+#else
   using I = std::conditional_t<sizeof(T) == 4, int32_t, int64_t>;
   typedef I Mask __attribute__((vector_size(kVecBytes)));
-  constexpr int W = Vec<T>::width;
-  return Mask{((L % (2 * Half) < Half ? L : W + L - Half) + (upper ? Half : 0))...};
+  return __builtin_shuffle(a, b, Mask{merge_lane<T, Half>(L, Upper)...});
+#endif
 }
 template <typename T, int Half = 1>
 inline typename Vec<T>::type lane_sums(typename Vec<T>::type* v) {
@@ -295,9 +313,9 @@ inline typename Vec<T>::type lane_sums(typename Vec<T>::type* v) {
     return v[0];
   } else {
     constexpr auto lanes = std::make_integer_sequence<int, W>();
-    constexpr auto lo = merge_mask<T, Half>(lanes, false), hi = merge_mask<T, Half>(lanes, true);
     for (int i = 0; i < W / (2 * Half); ++i)
-      v[i] = __builtin_shuffle(v[2 * i], v[2 * i + 1], lo) + __builtin_shuffle(v[2 * i], v[2 * i + 1], hi);
+      v[i] = merge_lanes<T, Half, false>(v[2 * i], v[2 * i + 1], lanes) +
+             merge_lanes<T, Half, true>(v[2 * i], v[2 * i + 1], lanes);
     return lane_sums<T, 2 * Half>(v);
   }
 }

@@ -12,14 +12,19 @@
 #      no AVX). Each checks float32, float64, bfloat16 and float16.
 #   c. the INSTALLED attnpp package (pip install . first; this script never installs it) under
 #      qemu-x86_64 -cpu Nehalem: tools/nehalem_check.py.
+#   d. the same test at the best level this CPU runs, built by Clang (clang++ -fopenmp: LLVM's libomp) and by GCC
+#      without OpenMP (cpp/threads.cpp's std::thread pool), each checked against the references and on 1 and 2
+#      threads bit for bit.
+# Every build with -Wall -Wextra -Werror (CMakeLists.txt's warnings; ATTNPP_WERROR).
 #
 # Environment:
 #   PYTHON=python   interpreter whose Eigen (cmeel-eigen) and attnpp are used; its real executable is what runs
 #                   under qemu (pyenv's `python` is a shell shim, which qemu cannot run)
 #   KEEP=1          keep the temporary directory (binaries, build and run logs) even when everything passed
 #
-# Installs only what is missing: the Debian packages qemu-user and g++-aarch64-linux-gnu, and cmeel-eigen (pip).
-# Takes about 3 minutes on 2 cores, most of it compiling (5 builds of the kernels, ~60 s of one core each).
+# Installs only what is missing: the Debian packages qemu-user, g++-aarch64-linux-gnu, clang and libomp-dev, and
+# cmeel-eigen (pip). Takes about 4 minutes on 2 cores, most of it compiling (7 builds of the kernels, ~60 s of one
+# core each).
 # Exit status: 0 only if every part that ran passed (a level this CPU lacks is skipped with a note).
 set -euo pipefail
 start=$SECONDS
@@ -39,6 +44,8 @@ record() {  # record STATUS WHAT DETAIL
 apt=()
 command -v qemu-aarch64 >/dev/null && command -v qemu-x86_64 >/dev/null || apt+=(qemu-user)
 command -v aarch64-linux-gnu-g++ >/dev/null || apt+=(g++-aarch64-linux-gnu)
+command -v clang++ >/dev/null || apt+=(clang)
+dpkg -s libomp-dev >/dev/null 2>&1 || apt+=(libomp-dev)
 if [[ ${#apt[@]} -gt 0 ]]; then
     echo "cross_check.sh: installing ${apt[*]}"
     apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${apt[@]}" >/dev/null
@@ -57,21 +64,26 @@ eigen=$(eigen_dir) || { "$PY" -m pip install -q cmeel-eigen && eigen=$(eigen_dir
 # buffer_pool.cpp: the packed operands of the products come from it.
 # The kernel sources are CMakeLists.txt's ATTNPP_KERNEL_SOURCES (one list, read from there).
 mapfile -t kernel_sources < <(sed -n '/^set(ATTNPP_KERNEL_SOURCES/,/)/p' CMakeLists.txt | grep -o 'cpp/[A-Za-z0-9_]*\.cpp')
-sources=(tests/cpp/test_kernels.cpp "${kernel_sources[@]}" cpp/buffer_pool.cpp)
-flags=(-O3 -fno-math-errno -fopenmp -std=c++17 -DEIGEN_GEMM_TO_COEFFBASED_THRESHOLD=0 -Icpp -I"$eigen")
+sources=(tests/cpp/test_kernels.cpp "${kernel_sources[@]}" cpp/threads.cpp cpp/buffer_pool.cpp)
+flags=(-O3 -fno-math-errno -std=c++17 -DEIGEN_GEMM_TO_COEFFBASED_THRESHOLD=0 -Icpp -isystem "$eigen"
+       -Wall -Wextra -Wno-ignored-attributes -Werror)
+# GCC 12's AVX-512 intrinsics warn through Eigen (GCC bug 105593; CMakeLists.txt silences them the same way)
+gcc_avx512=()
+[[ $(g++ -dumpversion | cut -d. -f1) -lt 13 ]] && gcc_avx512=(-Wno-uninitialized -Wno-maybe-uninitialized)
 declare -A pid
 build() {  # build NAME COMPILER FLAGS...: the binary $work/NAME, its compiler output in $work/NAME.build.log
     local name=$1 cxx=$2; shift 2
     "$cxx" "${flags[@]}" "$@" "${sources[@]}" -o "$work/$name" >"$work/$name.build.log" 2>&1 &
     pid[$name]=$!
 }
-echo "cross_check.sh: building the test 5 times (aarch64, x86-64 default/avx2/avx512/avx512_bf16) in $work"
-build aarch64 aarch64-linux-gnu-g++ -DATTNPP_CPU_NS=cpu_default  # no -march: the aarch64 baseline has NEON
-build default g++ -march=x86-64 -DATTNPP_CPU_NS=cpu_default
-build avx2 g++ -march=x86-64-v3 -DATTNPP_CPU_NS=cpu_avx2
-build avx512 g++ -march=x86-64-v4 -DATTNPP_CPU_NS=cpu_avx512
-build avx512_bf16 g++ -march=x86-64-v4 -mavx512bf16 -DATTNPP_CPU_NS=cpu_avx512_bf16
-# Which levels this CPU runs: dispatch.cpp's own test (GCC's x86-64-v3/v4 = exactly those -march's features).
+echo "cross_check.sh: building the test 7 times (aarch64, x86-64 default/avx2/avx512/avx512_bf16, Clang, no OpenMP)" \
+     "in $work"
+build aarch64 aarch64-linux-gnu-g++ -fopenmp -DATTNPP_CPU_NS=cpu_default  # no -march: the aarch64 baseline has NEON
+build default g++ -fopenmp -march=x86-64 -DATTNPP_CPU_NS=cpu_default
+build avx2 g++ -fopenmp -march=x86-64-v3 -DATTNPP_CPU_NS=cpu_avx2
+build avx512 g++ -fopenmp -march=x86-64-v4 "${gcc_avx512[@]}" -DATTNPP_CPU_NS=cpu_avx512
+build avx512_bf16 g++ -fopenmp -march=x86-64-v4 -mavx512bf16 "${gcc_avx512[@]}" -DATTNPP_CPU_NS=cpu_avx512_bf16
+# Which levels this CPU runs: GCC's x86-64-v3/v4 tests, exactly those -march's features (as dispatch.cpp's test).
 g++ -x c++ - -o "$work/cpu_has" <<'EOF'
 #include <cstring>
 int main(int, char** argv) {  // cpu_has avx2|avx512|avx512_bf16: exit 0 if this CPU runs that level
@@ -81,7 +93,17 @@ int main(int, char** argv) {  // cpu_has avx2|avx512|avx512_bf16: exit 0 if this
   return !(__builtin_cpu_supports("x86-64-v4") && __builtin_cpu_supports("avx512bf16"));
 }
 EOF
-for name in aarch64 default avx2 avx512 avx512_bf16; do
+# d. the best level this CPU runs, by Clang with LLVM's OpenMP and by GCC without OpenMP
+best=default best_flags=(-march=x86-64)
+for level in avx2 avx512 avx512_bf16; do
+    "$work/cpu_has" "$level" || continue
+    best=$level
+    case $level in avx2) best_flags=(-march=x86-64-v3) ;; avx512) best_flags=(-march=x86-64-v4) ;;
+                   avx512_bf16) best_flags=(-march=x86-64-v4 -mavx512bf16) ;; esac
+done
+build clang clang++ -fopenmp "${best_flags[@]}" -DATTNPP_CPU_NS=cpu_$best
+build no_openmp g++ "${best_flags[@]}" "${gcc_avx512[@]}" -DATTNPP_CPU_NS=cpu_$best
+for name in aarch64 default avx2 avx512 avx512_bf16 clang no_openmp; do
     wait "${pid[$name]}" && echo "cross_check.sh: built $name ($((SECONDS - start))s)" \
         || { echo "cross_check.sh: build $name FAILED:"; grep -E "error|Error" "$work/$name.build.log" | head -20; }
 done
@@ -123,6 +145,12 @@ for level in default avx2 avx512 avx512_bf16; do
 done
 what="b. x86-64 default (qemu-x86_64 -cpu Nehalem)"
 built default "$what" && run "$what" "$work/nehalem.log" qemu-x86_64 -cpu Nehalem "$work/default"
+
+# d. Clang (libomp) and no OpenMP, at the best level; each test checks 1 thread against 2 (bitwise) itself
+for name in clang no_openmp; do
+    what="d. x86-64 $best ($([[ $name == clang ]] && echo "clang++, libomp" || echo "g++, no OpenMP"))"
+    built "$name" "$what" && run "$what" "$work/$name.log" env OMP_NUM_THREADS=2 "$work/$name"
+done
 
 # c. the installed package on a Nehalem. nehalem_check.py starts its child (the forced level) with NEHALEM_QEMU:
 #    qemu-user hands a guest's execve to the host, so a plain child would run natively.

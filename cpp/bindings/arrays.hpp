@@ -136,7 +136,7 @@ inline std::optional<py::array> optional_array(const py::object& o, const char* 
   if (o.is_none()) return std::nullopt;
   if (!py::isinstance<py::array>(o))
     throw py::type_error(std::string(name) + ": expected a numpy.ndarray or None, got " +
-                         std::string(py::str(o.get_type().attr("__name__"))));
+                         std::string(py::str(py::type::handle_of(o).attr("__name__"))));
   return py::reinterpret_borrow<py::array>(o);
 }
 

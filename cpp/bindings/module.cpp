@@ -2,7 +2,6 @@
 // kernels write them) that checks the buffers (arrays.hpp), takes their pointers and strides, releases the GIL
 // and calls the CPU level's kernel. The dtype dispatch happens once in each body (dispatch), which is written for
 // both dtypes as a generic lambda. User-facing validation lives in python/attnpp/_checks.py.
-#include <omp.h>
 #include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
@@ -515,7 +514,7 @@ py::dict build_config() {
   config["flags"] = build_flags();
   config["eigen"] = std::to_string(EIGEN_WORLD_VERSION) + "." + std::to_string(EIGEN_MAJOR_VERSION) + "." +
                     std::to_string(EIGEN_MINOR_VERSION);
-  config["openmp"] = _OPENMP;
+  config["threading"] = threading_runtime();
   config["half_precision"] = cpu_level().half_precision;
   config["cpu_half_features"] = cpu_half_features();
   return config;
@@ -677,14 +676,14 @@ PYBIND11_MODULE(_core, m) {
   m.def("empty", &empty, "An uninitialized C-contiguous array of a numeric dtype, its memory recycled by attnpp's pool.",
         py::arg("shape"), py::arg("dtype"));
   m.def("empty_cache", &pool_empty, "Free the pool's cached blocks; returns their size in bytes.");
-  m.def("set_num_threads", &set_num_threads, "Set the number of OpenMP threads the kernels use, n in [1, 256].",
+  m.def("set_num_threads", &set_num_threads, "Set the number of threads the kernels use, n in [1, 256].",
         py::arg("n"));
-  m.def("get_num_threads", &thread_count, "The number of OpenMP threads the kernels use.");
+  m.def("get_num_threads", &thread_count, "The number of threads the kernels use.");
   m.def("cpu_capability", &cpu_capability,
         "The CPU level the kernels run at: 'default', 'avx2', 'avx512' or 'avx512_bf16' (all but the first on "
         "x86-64 only).");
   m.def("build_config", &build_config,
-        "The build: dict of cpu_capability, levels_built, levels_supported, compiler, flags, eigen, openmp, "
+        "The build: dict of cpu_capability, levels_built, levels_supported, compiler, flags, eigen, threading, "
         "half_precision (how the level computes in it), cpu_half_features (F16C, AVX512_BF16, AVX512_FP16, "
         "AMX-BF16 when the CPU has them).");
 }

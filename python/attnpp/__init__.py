@@ -1,4 +1,4 @@
-"""attnpp: attention layers for NumPy with a C++ core (Eigen, OpenMP).
+"""attnpp: attention layers for NumPy with a C++ core (Eigen, OpenMP or a pool of threads).
 
 Every attention variant has an autograd-free forward and a hand-written backward; outputs and gradients are
 checked against PyTorch. See ``attnpp.functional`` (stateless functions) and ``attnpp.nn`` (layers).
@@ -19,7 +19,8 @@ def set_num_threads(n):
     """Use ``n`` threads in attnpp's parallel kernels, in every Python thread (as ``torch.set_num_threads``).
 
     Results do not depend on the thread count (each element is computed by one thread in a fixed order), nor do
-    dropout masks. Default: OpenMP's, i.e. ``OMP_NUM_THREADS`` or the number of cores.
+    dropout masks. Default: ``OMP_NUM_THREADS``, else the number of cores this process may use (in a build
+    without OpenMP as well).
 
     Raises:
         TypeError: ``n`` not an int. ValueError: ``n`` outside [1, 256].
@@ -84,13 +85,14 @@ def cpu_capability():
 def show_config(mode="stdout"):
     """How attnpp was built and what it runs with: the CPU level in use, the levels built and those this CPU
     supports, how the level computes in half precision and the CPU's half-precision extensions, the compiler and
-    its flags per level, the Eigen and OpenMP versions, the thread count.
+    its flags per level, the Eigen version, the threading runtime (OpenMP, or a pool of ``std::thread`` in a build
+    without OpenMP), the thread count.
 
     Args:
         mode (str): ``"stdout"`` (default) prints them; ``"dicts"`` returns them as a dict, as
             ``numpy.show_config`` does (keys ``cpu_capability``, ``levels_built``, ``levels_supported``,
             ``half_precision``, ``cpu_half_features`` (among F16C, AVX512_BF16, AVX512_FP16, AMX-BF16; attnpp uses
-            the first two), ``compiler``, ``flags``, ``eigen``, ``openmp``, ``threads``).
+            the first two), ``compiler``, ``flags``, ``eigen``, ``threading``, ``threads``).
 
     Raises:
         ValueError: another ``mode``.
@@ -105,7 +107,7 @@ def show_config(mode="stdout"):
           f"supports: {', '.join(config['levels_supported'])}; ATTNPP_CPU_CAPABILITY forces one)")
     print(f"  half_precision: {config['half_precision']} (this CPU has: "
           f"{', '.join(config['cpu_half_features']) or 'none of F16C, AVX512_BF16, AVX512_FP16, AMX-BF16'})")
-    for key in ("compiler", "flags", "eigen", "openmp", "threads"):
+    for key in ("compiler", "flags", "eigen", "threading", "threads"):
         print(f"  {key}: {config[key]}")
 
 

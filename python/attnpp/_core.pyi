@@ -20,15 +20,15 @@ def cpu_capability() -> str:
     x86-64 only)."""
 
 def build_config() -> Dict[str, Any]:
-    """The build: dict of cpu_capability, levels_built, levels_supported, compiler, flags, eigen, openmp,
+    """The build: dict of cpu_capability, levels_built, levels_supported, compiler, flags, eigen, threading,
     half_precision (how the level computes in it), cpu_half_features (F16C, AVX512_BF16, AVX512_FP16, AMX-BF16 when
     the CPU has them)."""
 
 def set_num_threads(n: int) -> None:
-    """Set the number of OpenMP threads the kernels use, n in [1, 256]."""
+    """Set the number of threads the kernels use, n in [1, 256]."""
 
 def get_num_threads() -> int:
-    """The number of OpenMP threads the kernels use."""
+    """The number of threads the kernels use."""
 
 class Causal:
     """Which keys a causal mask hides: none; top_left (query i sees keys j <= i); bottom_right (query i sees keys

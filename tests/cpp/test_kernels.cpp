@@ -7,8 +7,8 @@
 // Built and run per level (natively, and under qemu for aarch64 and an old x86-64) by tools/cross_check.sh, e.g.
 //   g++ -O3 -fno-math-errno -fopenmp -std=c++17 -march=x86-64-v3 -DATTNPP_CPU_NS=cpu_avx2
 //       -DEIGEN_GEMM_TO_COEFFBASED_THRESHOLD=0 -Icpp -I<eigen3> tests/cpp/test_kernels.cpp cpp/{attention,...}.cpp
-#include <omp.h>
-
+//       cpp/threads.cpp cpp/buffer_pool.cpp
+// (without -fopenmp, threads.cpp runs the parallel loops on its std::thread pool).
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
@@ -27,19 +27,11 @@ namespace attnpp::ATTNPP_CPU_NS {
 extern const KernelSet kernels;
 }
 
-// The process-wide thread count that the kernels' parallel_for reads. dispatch.cpp defines it, but it also
-// builds the table of levels, which names cpu_default::kernels: it links only with the default level, and this
-// test builds one level at a time. So the two functions are defined here, with the same meaning.
-namespace attnpp {
-static int g_threads = omp_get_max_threads();
-int thread_count() { return g_threads; }
-void set_thread_count(int n) { g_threads = n; }
-}  // namespace attnpp
-
 #define STR2(x) #x
 #define STR(x) STR2(x)
 
 static int passed = 0, failed = 0;
+static const int kThreads = thread_count();  // (threads.cpp's default: OMP_NUM_THREADS, else the CPUs)
 
 template <typename T> const Kernels<T>& table();
 template <> const Kernels<float>& table<float>() { return ATTNPP_CPU_NS::kernels.f32; }
@@ -262,7 +254,7 @@ void test_sdpa(const Case& c) {
   for (const bool flash : {false, true}) {
     if (flash && !std::is_same_v<T, bfloat16>) break;
     cfg.flash_numerics = flash;
-    const Got g = run(std::max(2, omp_get_max_threads()));
+    const Got g = run(std::max(2, kThreads));
     const std::string tag = std::string("sdpa ") + c.name + " " + dtype_name<T>() + (flash ? " flash " : " ");
     // (the log-sum-exp and the sinks' gradient are of the compute type; the latter takes delta from the rounded
     // output under flash numerics)
@@ -274,7 +266,7 @@ void test_sdpa(const Case& c) {
     check(tag + "dv", g.dv, R.dv, tol);
     if (c.sinks) check(tag + "dsinks", g.dsinks, R.dsinks, flash ? tol : tolerance<C>());
     const Got one = run(1);
-    check_true(tag + "1 thread == " + std::to_string(std::max(2, omp_get_max_threads())) + " threads, bitwise",
+    check_true(tag + "1 thread == " + std::to_string(std::max(2, kThreads)) + " threads, bitwise",
                one.out == g.out && one.lse == g.lse && one.dq == g.dq && one.dk == g.dk && one.dv == g.dv &&
                    one.dsinks == g.dsinks);
   }
@@ -510,7 +502,8 @@ void test_gemm_nt_rows() {
 }
 
 int main() {
-  std::printf("attnpp kernels of level %s, %d OpenMP threads available\n", STR(ATTNPP_CPU_NS), omp_get_max_threads());
+  std::printf("attnpp kernels of level %s, %d threads available (%s)\n", STR(ATTNPP_CPU_NS), kThreads,
+              threading_runtime().c_str());
   test_all<float>();
   test_all<double>();
   test_all<bfloat16>();
