@@ -427,3 +427,39 @@ def test_error_messages_unchanged():
         at.scaled_dot_product_attention(q, k, v, torch.zeros(5, 9, dtype=f64), is_causal=True)
     with pytest.raises(at.TorchTypeError, match="expected a torch.Tensor"):
         at.scaled_dot_product_attention(q.numpy(), k, v)
+
+
+def _scalar_cases(where):
+    from attnpp._checks import ARGUMENTS
+    return [pytest.param(name, value, exc, id=f"{name}={value!r}") for name, kind in ARGUMENTS[where].items()
+            for value, exc in kind.refuses]
+
+
+@pytest.mark.parametrize("grad", [False, True], ids=["plain", "grad"])
+@pytest.mark.parametrize("name, value, exc", _scalar_cases("functional.scaled_dot_product_attention"))
+def test_attention_scalars_refused_as_functional_refuses_them(name, value, exc, grad):
+    """Each refused value of a scalar argument (attnpp._checks.ARGUMENTS) raises what functional raises on NumPy
+    arrays, the same message, before the operator (whose schema raised a bare RuntimeError for a wrong type, and
+    took 1 or None for enable_gqa) — found by tools/fuzz.py's torch.scaled_dot_product_attention calls."""
+    import attnpp.functional as AF
+    q, k, v = (t.detach().requires_grad_(grad) for t in qkv(5, 9))
+    with pytest.raises(exc) as plain:
+        AF.scaled_dot_product_attention(q.detach().numpy(), k.detach().numpy(), v.detach().numpy(), **{name: value})
+    with pytest.raises(exc) as ours:
+        at.scaled_dot_product_attention(q, k, v, **{name: value})
+    assert isinstance(ours.value, (at.TorchValueError, at.TorchTypeError))
+    assert str(ours.value) == str(plain.value)
+
+
+@pytest.mark.parametrize("name, value, exc", _scalar_cases("functional.linear_cross_entropy"))
+def test_linear_cross_entropy_scalars_refused_as_functional_refuses_them(name, value, exc):
+    """The same for linear_cross_entropy's ignore_index, reduction and label_smoothing (the schema took True for
+    an int and "0.1" for a float)."""
+    import attnpp.functional as AF
+    x, w = torch.randn(3, 4, dtype=f64, requires_grad=True), torch.randn(5, 4, dtype=f64, requires_grad=True)
+    target = torch.tensor([0, 4, 2])
+    with pytest.raises(exc) as plain:
+        AF.linear_cross_entropy(x.detach().numpy(), w.detach().numpy(), target.numpy(), **{name: value})
+    with pytest.raises(exc) as ours:
+        at.linear_cross_entropy(x, w, target, **{name: value})
+    assert str(ours.value) == str(plain.value)

@@ -314,3 +314,21 @@ def test_varlen_bad_offsets(rng, cu_q, cu_k, match):
     q = rng.standard_normal((5, 2, 4))
     with pytest.raises(ValueError, match=match):
         AF.scaled_dot_product_attention_varlen(q, q, q, np.array(cu_q), np.array(cu_k))
+
+
+def test_reference_gradients_of_a_row_that_sees_no_key_are_zero():
+    """attnpp.testing.reference's gradients where a query row sees no key are 0 (logsumexp's own gradient of a row
+    of -inf is NaN, which reached dk and dv too), as attnpp's backward gives them; the rest equal attnpp's."""
+    rng = np.random.default_rng(0)
+    q, k, v, g = (rng.standard_normal(s) for s in ((1, 2, 4, 3), (1, 2, 5, 3), (1, 2, 5, 2), (1, 2, 4, 2)))
+    keep = rng.random((4, 5)) < 0.7
+    keep[1] = False  # row 1 sees nothing
+    tq, tk, tv = (torch.tensor(a, requires_grad=True) for a in (q, k, v))
+    out, _ = reference(tq, tk, tv, attn_mask=torch.where(torch.tensor(keep), 0.0, -torch.inf).double())
+    (out * torch.tensor(g)).sum().backward()
+    ours = AF.scaled_dot_product_attention_backward(g, q, k, v, *AF.scaled_dot_product_attention_forward(
+        q, k, v, attn_mask=keep)[:2], attn_mask=keep)
+    for name, t, o in zip(("dq", "dk", "dv"), (tq, tk, tv), ours):
+        assert torch.isfinite(t.grad).all(), name
+        np.testing.assert_allclose(t.grad.numpy(), o, rtol=1e-10, atol=1e-12, err_msg=name)
+    assert not tq.grad[0, :, 1].any()

@@ -30,6 +30,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # (the package tools/fuzzer, also when loaded by path)
 
+from fuzzer.api import all_functions, expand  # noqa: E402
 from fuzzer.execution import child_main  # noqa: E402
 from fuzzer.parent import parent_main, repro_main  # noqa: E402
 from fuzzer.values import FUNCTIONS  # noqa: E402
@@ -44,8 +45,11 @@ def main(argv=None):
     ap.add_argument("--calls", type=int, default=10000, help="number of calls (default 10000)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--start", type=int, default=0, help="index of the first call")
-    ap.add_argument("--functions", default=",".join(sorted(FUNCTIONS)),
-                    help="comma-separated subset of: " + ", ".join(sorted(FUNCTIONS)))
+    ap.add_argument("--functions", default="all",
+                    help="comma-separated names of attnpp._core's functions (" + ", ".join(sorted(FUNCTIONS)) +
+                         ") and of the public API's call kinds (tools/fuzzer/api_*.py; --list prints them), or "
+                         "the groups binding, api and all (default)")
+    ap.add_argument("--list", action="store_true", help="print every call kind and exit")
     ap.add_argument("--json", help="write the summary (counts, findings) to this file")
     ap.add_argument("--timeout", type=float, default=120.0, help="seconds without progress before a hang is declared")
     ap.add_argument("--mem-limit-gb", type=float, default=None,
@@ -61,6 +65,12 @@ def main(argv=None):
     ap.add_argument("--stop", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--log", help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
+    if a.list:
+        print("\n".join(f"{name}  (frequency {w})" for name, w in sorted(all_functions().items())))
+        print(f"{len(all_functions())} call kinds: {len(FUNCTIONS)} of attnpp._core, {len(all_functions()) - len(FUNCTIONS)} "
+              f"of the public API")
+        return 0
+    a.functions = ",".join(expand(a.functions))
     if a.child:
         if a.mem_limit_gb is None:
             a.mem_limit_gb = 0

@@ -3,6 +3,8 @@
 # (notebooks and the benchmark subprocess included) against that build.
 #
 #   tools/sanitize.sh [pytest arguments...]        e.g.  tools/sanitize.sh -k sdpa -x
+#   tools/sanitize.sh --run COMMAND...             any command instead of pytest, e.g. the long fuzz run:
+#                                                  tools/sanitize.sh --run python tools/fuzz.py --calls 1000000
 #
 # Environment:
 #   PYTHON=python     interpreter to build for and test with (a venv's python, ...)
@@ -189,13 +191,21 @@ echo "sanitize.sh: attnpp._core.__file__ = $core"
 rm -f "$logs"/core.*
 
 # ---- tests ----------------------------------------------------------------------------------------------------------
-echo "sanitize.sh: $PY -m pytest $*"
+if [[ ${1:-} == --run ]]; then
+    shift
+    command=("$@")
+    [[ ${command[0]:-} == python ]] && command[0]=$PY  # (the interpreter the core was built for)
+else
+    command=("$PY" -m pytest -p attnpp_sanitize_plugin "$@")
+fi
+echo "sanitize.sh: ${command[*]}"
 echo "sanitize.sh: LD_PRELOAD=$preload ASAN_OPTIONS=$ASAN_OPTIONS UBSAN_OPTIONS=$UBSAN_OPTIONS"
-LD_PRELOAD=$preload "$PY" -m pytest -p attnpp_sanitize_plugin "$@" 2>&1 | tee "$logs/pytest.log"
+LD_PRELOAD=$preload "${command[@]}" 2>&1 | tee "$logs/pytest.log"
 rc=${PIPESTATUS[0]}
 
 summary=$(grep -E '[0-9]+ (passed|failed|errors?)|no tests ran' "$logs/pytest.log" | tail -n1 | tr -d '=' | xargs)
 [[ -n $summary ]] || summary="no pytest summary (exit $rc)"
+[[ ${command[1]:-} == -m ]] || summary="exit $rc: $(tail -n1 "$logs/pytest.log")"
 
 # ---- sanitizer reports: any process (pytest, the bench subprocess, notebook kernels) ----------------------------
 pattern='ERROR: AddressSanitizer|AddressSanitizer: CHECK failed|ERROR: LeakSanitizer|runtime error:|SUMMARY: UndefinedBehaviorSanitizer'

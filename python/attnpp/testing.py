@@ -111,8 +111,10 @@ def reference(q, k, v, *, attn_mask=None, is_causal=False, causal_alignment="top
     S = s.shape[-1]
     if sinks is not None:
         s = torch.cat([s, sinks[None, :, None, None].expand(B, Hq, L, 1)], dim=-1)
-    lse = torch.logsumexp(s, dim=-1)
-    hidden = torch.isinf(lse) & (lse < 0)  # rows that see nothing: weights 0 (no NaN gradient either)
+    with torch.no_grad():
+        hidden = torch.logsumexp(s, dim=-1) == -torch.inf  # rows that see nothing: weights 0, gradient 0
+    # (their log-sum-exp is taken of zeros, then set to -inf: logsumexp's gradient of a row of -inf is NaN)
+    lse = torch.where(hidden, -torch.inf, torch.logsumexp(s.masked_fill(hidden[..., None], 0.0), dim=-1))
     p = torch.exp(s - torch.where(hidden, 0.0, lse)[..., None]).masked_fill(hidden[..., None], 0.0)
     p = p[..., :S]
     if keep is not None:

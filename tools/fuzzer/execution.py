@@ -10,6 +10,7 @@ import warnings
 import numpy as np
 
 from .values import ALLOWED, Arr, ROOT, materialize, walk_arrs
+from .api import ApiCall, execute_api
 from .mutations import generate
 
 
@@ -89,6 +90,8 @@ def classify(exc):
 
 def execute(core, call):
     """Make the call; returns (outcome, findings, notes), each finding (kind, detail)."""
+    if isinstance(call, ApiCall):
+        return execute_api(call)
     call.observed = []
     arrs, seen = [], set()
     for s in call.slots:

@@ -6,6 +6,7 @@ import warnings
 import numpy as np
 
 from .values import Arr, BOOLS, CAUSALS, Derived, EXOTIC_DTYPES, F64, FLOAT_EDGES, FUNCTIONS, INF, INT_EDGES, MaskTuple, NAN, NON_ARRAYS, NOT_FLOATS, NOT_INTS, OTHER_DTYPES, PAD_IN_FLOAT, PAD_IN_INT, PAD_OUT, PROBS, SEEDS, chance, describe, layout_C, mk_in, pads, pick, rand_values
+from . import api
 from .calls import Call
 from .generators import gen_cross_entropy, gen_dropout, gen_embedding, gen_empty, gen_linear, gen_optim, gen_rotary, gen_sdpa, mask_broadcast, mask_raw, span
 
@@ -92,7 +93,11 @@ def mutate_shape(rng, call, a):
         vals = rand_values(rng, tuple(shape), a.dtype)
     except ValueError:  # NumPy refuses dimensions whose product of bytes overflows, even with a 0 elsewhere
         shape = [min(d, 2 ** 31) for d in shape]
-        vals = rand_values(rng, tuple(shape), a.dtype)
+        try:
+            vals = rand_values(rng, tuple(shape), a.dtype)
+        except ValueError:  # (several such dimensions)
+            shape = [min(d, 2 ** 12) for d in shape]
+            vals = rand_values(rng, tuple(shape), a.dtype)
     return Arr(vals, a.role, layout_C(rng), PAD_OUT if a.role == "out" else PAD_IN_FLOAT,
                note=f"shape mutated from {a.shape}")
 
@@ -295,6 +300,8 @@ def mutate_masks(rng, call, slot):
             slo, shi = span(Hq, L, S, *strides) if nonempty else (0, 0)
             bad = pick(rng, [inf["hi"] - shi + 1, inf["lo"] - slo - 1, inf["hi"] - shi + 7, 2 ** 62, -2 ** 62,
                              2 ** 63 - 1, -2 ** 63, inf["hi"] + 1, -1])
+            if vals.dtype.kind in "iu":  # (offsets given another dtype by an earlier mutation: its range)
+                bad = int(np.clip(bad, np.iinfo(vals.dtype).min, np.iinfo(vals.dtype).max))
             vals[n] = bad
             m.items[1] = Arr(vals, "in", off.layout, PAD_IN_INT, note=f"offsets[{n}] = {bad}")
             return f"mask: offsets[{n}] = {bad} (valid [{inf['lo'] - slo}, {inf['hi'] - shi}])"
@@ -430,8 +437,11 @@ def mutate(rng, call):
 def generate(seed, index, functions, no_huge=False):
     rng = np.random.default_rng([seed, index])
     names = sorted(functions)
-    w = np.array([FUNCTIONS[f] for f in names], np.float64)
+    weights = FUNCTIONS if all(f in FUNCTIONS for f in names) else api.all_functions()
+    w = np.array([weights[f] for f in names], np.float64)
     fn = names[int(rng.choice(len(names), p=w / w.sum()))]
+    if fn not in FUNCTIONS:
+        return api.generate_api(seed, index, fn)
     call = Call(index, fn)
     call.no_huge = no_huge
     if fn.startswith("sdpa_"):

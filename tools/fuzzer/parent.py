@@ -12,7 +12,8 @@ import time
 
 import numpy as np
 
-from .values import FUZZ_SCRIPT, FUNCTIONS
+from .api import all_functions
+from .values import FUZZ_SCRIPT
 from .mutations import generate
 from .execution import execute, import_core
 
@@ -20,7 +21,7 @@ from .execution import execute, import_core
 # ------------------------------------------------------------------------------------------- parent
 FAILING = {"crash", "hang", "unexpected_exception", "input_modified", "write_outside_output", "non_array_accepted",
            "output_modified_on_error", "valid_call_raised", "nonfinite", "wrong_result", "fuzzer_error",
-           "exit_error"}
+           "exit_error", "invalid_accepted", "wrong_exception", "unclear_error"}
 
 
 def detect_asan():
@@ -47,9 +48,10 @@ def describe_call(seed, index, functions, no_huge):
 
 def parent_main(a):
     functions = a.functions.split(",")
-    unknown = [f for f in functions if f not in FUNCTIONS]
+    known = all_functions()
+    unknown = [f for f in functions if f not in known]
     if unknown:
-        sys.exit(f"fuzz.py: unknown function(s) {unknown}; known: {sorted(FUNCTIONS)}")
+        sys.exit(f"fuzz.py: unknown function(s) {unknown}; known: binding, api, all, {sorted(known)}")
     asan = detect_asan()
     no_huge = a.no_huge or (asan and "allocator_may_return_null=1" not in os.environ.get("ASAN_OPTIONS", ""))
     mem = a.mem_limit_gb if a.mem_limit_gb is not None else (0 if asan else 8)

@@ -9,18 +9,26 @@ RuntimeErrors (PyTorch's class for the same bad input).
 import torch
 
 from .. import functional as AF
-from .._checks import check_probability
+from .._checks import (check_bool, check_choice, check_ignore_index, check_label_smoothing, check_probability,
+                       check_reduction, check_scale, check_seed, check_softcap, check_window)
+from ..functional._args import ALIGNMENTS
 from . import _ops
 from ._convert import (FLOATS, causal_bias_flags, check_plain, check_same_device, check_tensor, draw_seed, from_numpy,
                        to_numpy, torch_errors)
 
 __all__ = ["scaled_dot_product_attention", "linear", "linear_cross_entropy"]
+_check_seed = torch_errors(check_seed)
 
 
 @torch_errors
 def _attention(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, seed, causal_alignment,
                need_weights=False, window=None, alibi_slopes=None, softcap=None, sinks=None, key_padding_mask=None):
     """The checked attention call of every public entry: (output, weights or None, the dropout seed or None)."""
+    # (the scalars first, with functional's checks: the operator's schema would raise RuntimeError for a wrong
+    # type, or take an int for a bool)
+    is_causal, enable_gqa = check_bool(is_causal, "is_causal"), check_bool(enable_gqa, "enable_gqa")
+    scale, window, softcap = check_scale(scale), check_window(window), check_softcap(softcap)
+    check_choice(causal_alignment, "causal_alignment", ALIGNMENTS)
     for t, name in ((query, "query"), (key, "key"), (value, "value")):
         check_tensor(t, name)
     if attn_mask is not None:
@@ -109,6 +117,7 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
             RuntimeError): dtypes other than float32, float64, float16 or bfloat16 (bool for the mask) or mixed, a
             non-tensor (sinks included), a tensor subclass or a sparse tensor.
     """
+    _check_seed(seed, used=False)  # (checked even where the plain path needs none, as functional's)
     if attn_mask is None and sinks is None and window is None and alibi_slopes is None and softcap is None \
             and key_padding_mask is None:
         output = _plain_attention(query, key, value, dropout_p, is_causal, scale, enable_gqa, causal_alignment)
@@ -191,8 +200,12 @@ def linear_cross_entropy(input, weight, target, bias=None, *, ignore_index=-100,
     """
     _check_linear_args(input, weight, bias)
     check_plain(target, "target")
+    # (the scalars with functional's checks, before the operator's schema, which would raise RuntimeError for a
+    # wrong type, or take True for an int and "0.1" for a float)
+    ignore_index, reduction = check_ignore_index(ignore_index), check_reduction(reduction)
+    label_smoothing = check_label_smoothing(label_smoothing)
     compute_grads = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (input, weight, bias))
-    loss = _ops.apply_linear_cross_entropy(input, weight, target, bias, ignore_index, reduction,
-                                           float(label_smoothing), compute_grads)
+    loss = _ops.apply_linear_cross_entropy(input, weight, target, bias, ignore_index, reduction, label_smoothing,
+                                           compute_grads)
     return loss[0]
 
