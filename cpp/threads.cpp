@@ -59,9 +59,21 @@ int default_thread_count() {
   return std::max(1u, std::thread::hardware_concurrency());
 }
 
+// A spin-wait's pause: the core's hint that this is a spin loop.
+inline void pause() {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_ia32_pause();
+#elif defined(__aarch64__)
+  __asm__ __volatile__("yield");
+#endif
+}
+
 // Worker threads 1, 2, ... that wait for a team's task; the caller is member 0. One caller at a time: another
 // (a second Python thread, a loop inside a loop's body) runs its loop alone, as OpenMP gives a nested region a
-// team of one. The threads sleep between loops (no spinning) and live until the process exits.
+// team of one. As OpenMP's, the threads spin a while before they sleep, the caller too before it waits for them:
+// a thread woken from its sleep comes tens of microseconds (a loaded machine: milliseconds) late, and back-to-back
+// loops of a few hundred microseconds (one layer's attention) then ran on the caller alone. They live until the
+// process exits.
 class Pool {
  public:
   bool run(int threads, TeamTask task, void* context) {
@@ -69,41 +81,46 @@ class Pool {
     if (!busy.owns_lock()) return false;
     std::unique_lock<std::mutex> lock(mutex_);
     while (int(workers_) < threads - 1) {
-      std::thread(&Pool::work, this, int(workers_) + 1, generation_).detach();
+      std::thread(&Pool::work, this, int(workers_) + 1, generation_.load()).detach();
       ++workers_;
     }
     task_ = task, context_ = context, members_ = threads, remaining_ = threads - 1;
-    ++generation_;
+    generation_.fetch_add(1);
     lock.unlock();
     wake_.notify_all();
     task(context, 0);
+    for (int i = 0; i < kSpins && remaining_.load() != 0; ++i) pause();
     lock.lock();
-    done_.wait(lock, [&] { return remaining_ == 0; });
+    done_.wait(lock, [&] { return remaining_.load() == 0; });
     return true;
   }
 
  private:
+  static constexpr int kSpins = 1 << 14;  // (some 100 us to 1 ms)
+
   void work(int member, unsigned long seen) {
-    std::unique_lock<std::mutex> lock(mutex_);
     for (;;) {
-      wake_.wait(lock, [&] { return generation_ != seen; });
-      seen = generation_;
+      for (int i = 0; i < kSpins && generation_.load() == seen; ++i) pause();
+      std::unique_lock<std::mutex> lock(mutex_);
+      wake_.wait(lock, [&] { return generation_.load() != seen; });
+      seen = generation_.load();
       if (member >= members_) continue;  // a smaller team this time
       lock.unlock();
       task_(context_, member);
       lock.lock();
-      if (--remaining_ == 0) done_.notify_one();
+      if (remaining_.fetch_sub(1) == 1) done_.notify_one();
     }
   }
 
   std::mutex busy_;   // held by the caller whose loop the pool runs
-  std::mutex mutex_;  // guards everything below
+  std::mutex mutex_;  // guards everything below (the atomics are read outside it too, by the spinning threads)
   std::condition_variable wake_, done_;
   unsigned workers_ = 0;
-  unsigned long generation_ = 0;  // one per loop
+  std::atomic<unsigned long> generation_{0};  // one per loop
   TeamTask task_ = nullptr;
   void* context_ = nullptr;
-  int members_ = 0, remaining_ = 0;
+  int members_ = 0;
+  std::atomic<int> remaining_{0};
 };
 
 // The pool, never destroyed (its threads are detached and may be waiting at exit). A child process made by fork()
