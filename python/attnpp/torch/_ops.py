@@ -29,6 +29,7 @@ import torch
 from torch import Tensor
 
 from .. import functional as AF
+from ..functional.rotary import cached_rotary_tables
 from ._convert import from_numpy, to_numpy, torch_errors
 
 _HALVES = (torch.float16, torch.bfloat16)
@@ -369,15 +370,9 @@ _apply_linear_cross_entropy_backward = _backward_of(linear_cross_entropy_backwar
 
 
 # ------------------------------------------------------------------------------------------------ rotary
-@functools.lru_cache(maxsize=32)
-def _rotary_tables(positions, rotary_dim, base, dtype):
-    """(cos, sin) ndarrays (P, rotary_dim / 2) of ``dtype`` for P >= ``positions`` (a power of two >= 64)."""
-    return AF.rotary_tables(max(64, 1 << (positions - 1).bit_length()), rotary_dim, base, dtype)
-
-
 def _rotary(function, x, rotary_dim, base, interleaved, position_offset):
     x_np = to_numpy(x)
-    cos, sin = _rotary_tables(position_offset + x.shape[-2], rotary_dim, base, x_np.dtype)
+    cos, sin = cached_rotary_tables(position_offset + x.shape[-2], rotary_dim, base, x_np.dtype)
     return from_numpy(function(x_np, cos, sin, interleaved=interleaved, position_offset=position_offset))
 
 
