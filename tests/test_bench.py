@@ -264,7 +264,8 @@ def test_every_attnpp_forward_is_consumed_or_under_no_grad(monkeypatch):
         assert attnpp.is_grad_enabled(), case.name
         pending = {type(layer).__name__: len(layer._contexts) for layer in saved if layer._contexts}
         assert not pending, f"{case.name}: contexts no backward consumed: {pending}"
-        layered = case.name.startswith(("Multihead", "article"))
+        # (attnpp.torch's layer runs under PyTorch's autograd: it saves no attnpp context)
+        layered = case.name.startswith(("Multihead", "article", "Attention")) and "attnpp.torch" not in case.name
         if layered and "fwd+bwd" in case.name or "training" in case.name:
             assert sum(saved.values()) >= 3, case.name  # the forwards did save (and the backwards consume)
         else:

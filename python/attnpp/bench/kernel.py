@@ -2,7 +2,7 @@
 causal and not, and the memory case, whose attnpp temporaries must stay below MEMORY_LIMIT_MIB."""
 from __future__ import annotations
 
-from .calls import kernel_calls, mha_calls
+from .calls import kernel_calls, mha_calls, padded_causal_calls
 from .case import Case, fmt_shape, kernel_flops
 from .config import MEMORY_LIMIT_MIB, MEMORY_PAIRS, MIB
 
@@ -54,7 +54,12 @@ def kernel_cases(size, repeats, float32_growth):
 
 
 def mha_cases(size):
-    """``MultiheadAttention`` forward + backward in float32, without and with the attention weights."""
+    """``MultiheadAttention`` forward + backward in float32, without and with the attention weights; the causal
+    ``Attention`` layers (``attnpp.nn``'s and ``attnpp.torch``'s) over a padded batch."""
     B, L, E, H = size["mha"]
-    return [Case(f"MultiheadAttention fwd+bwd {fmt_shape((B, L, E))} H={H} need_weights={need_weights}",
-                 lambda w=need_weights: mha_calls(B, L, E, H, w)) for need_weights in (False, True)]
+    cases = [Case(f"MultiheadAttention fwd+bwd {fmt_shape((B, L, E))} H={H} need_weights={need_weights}",
+                  lambda w=need_weights: mha_calls(B, L, E, H, w)) for need_weights in (False, True)]
+    # issue 36: both Attention layers keep the causal kernel's block skipping under a padding mask
+    return cases + [Case(f"Attention fwd+bwd {fmt_shape((B, L, E))} H={H} causal + key_padding_mask, {name} vs "
+                         f"MultiheadAttention", lambda b=bridge: padded_causal_calls(B, L, E, H, b))
+                    for name, bridge in (("attnpp.nn", False), ("attnpp.torch", True))]
