@@ -36,6 +36,10 @@ def target(case):
     return f">= {case['target']} (issue {case['issue']}){verdict}"
 
 
+def ratio_cell(ratio):
+    return f"{ratio['median']:.2f} [{ratio['iqr'][0]:.2f}-{ratio['iqr'][1]:.2f}]"
+
+
 def render(data, name):
     """One results file as markdown: the machine, then the cases' table, the skipped cases and the cases' lines."""
     if data.get("format") != FORMAT:
@@ -56,18 +60,17 @@ def render(data, name):
            f"| run | {run['repeats']} alternating pairs per case{', --quick sizes' if run['quick'] else ''} |"]
     if m.get("note"):
         out.append(f"| note | {cell(m['note'])} |")
-    out += ["", "| case | attnpp | PyTorch | ratio [IQR] | attnpp GFLOP/s | attnpp MiB | PyTorch MiB | target |",
-            "|---|---:|---:|---:|---:|---:|---:|---|"]
+    out += ["", "| case | attnpp | PyTorch | ratio [IQR] | attnpp GFLOP/s | % of GEMM | attnpp MiB | PyTorch MiB | "
+            "target |", "|---|---:|---:|---:|---:|---:|---:|---:|---|"]
     for case in data["cases"]:
         if "skipped" in case:
-            out.append(f"| {cell(case['name'])} | skipped | skipped | | | | | {target(case)} |")
+            out.append(f"| {cell(case['name'])} | skipped | skipped | | | | | | {target(case)} |")
             continue
-        ratio = case["ratio"]
         gflops = "" if case["attnpp_gflops"] is None else f"{case['attnpp_gflops']:.1f}"
+        share = "" if case.get("gemm_share") is None else f"{case['gemm_share']:.0%}"
         memory = ["n/a" if case[s]["memory_mib"] is None else f"{case[s]['memory_mib']:.1f}" for s in ("attnpp", "torch")]
         out.append(f"| {cell(case['name'])} | {side_time(case, 'attnpp')} | {side_time(case, 'torch')} | "
-                   f"{ratio['median']:.2f} [{ratio['iqr'][0]:.2f}-{ratio['iqr'][1]:.2f}] | {gflops} | "
-                   f"{memory[0]} | {memory[1]} | {target(case)} |")
+                   f"{ratio_cell(case['ratio'])} | {gflops} | {share} | {memory[0]} | {memory[1]} | {target(case)} |")
     notes = [f"skipped {c['name']}: {c['skipped']}" for c in data["cases"] if "skipped" in c]
     notes += [c["line"] for c in data["cases"] if c.get("line")]
     sgemm = data["sgemm"]

@@ -30,12 +30,17 @@ def fmt_shape(shape):
 
 
 def attention_flops(pairs, D, backward):
-    """Flops of an attention over ``pairs`` (query, key) pairs (over batch and heads) of width D: 4 D each forward
-    (Q K^T and P V), the backward 2.5 times the forward."""
+    """Flops of an attention over ``pairs`` (query, key) pairs (over batch and heads) of width D, as FlashAttention
+    counts them (Dao, "FlashAttention-2", 2023, section 4.1, arXiv:2307.08691): the forward's two products Q K^T
+    and P V, 2 D flops each per pair, so 4 D per pair (4 B H L S D over a full (L, S) grid); the backward 2.5 times
+    the forward (its five products, Q K^T recomputed among them, against the forward's two), so forward + backward
+    3.5 times. The softmax's exponentials and sums are not counted."""
     return 4.0 * pairs * D * (3.5 if backward else 1.0)
 
 
 def kernel_flops(shape, causal, backward):
+    """attention_flops of the kernel on (B, H, L, D) with S = L: B H L^2 pairs, halved when causal (FlashAttention's
+    count: L^2 / 2, not the L (L + 1) / 2 pairs of the triangle)."""
     B, H, L, D = shape
     return attention_flops(B * H * L * L / (2 if causal else 1), D, backward)
 
