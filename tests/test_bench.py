@@ -12,6 +12,7 @@ import site
 import subprocess
 import sys
 import warnings
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -20,7 +21,12 @@ import torch
 import attnpp
 from helpers import assert_close
 
+ROOT = Path(__file__).resolve().parent.parent
+
 BENCH = [sys.executable, "-m", "attnpp.bench", "--quick"]
+AGAINST = ["--against", "onnxruntime,openvino"]
+PEERS = {"onnxruntime": "ONNX Runtime", "openvino": "OpenVINO"}
+INSTALLED = {title: importlib.util.find_spec(name) is not None for name, title in PEERS.items()}
 RATIO = re.compile(r"^\d+\.\d+ \[\d+\.\d+-\d+\.\d+\]$")  # median [first quartile-third quartile]
 FLEX = ("vs FlexAttention", "vs flex_attention")  # the cases that compile FlexAttention (--quick skips them)
 LEVEL = re.compile(r"^CPU level: attnpp (\S+), PyTorch (\S+)(.*)$", re.MULTILINE)
@@ -37,15 +43,24 @@ def run(*args, bench=BENCH, **kwargs):
 
 def table_rows(stdout):
     """The main table's rows by case name: cells separated by two or more spaces, the name first, the ratio fourth,
-    attnpp's GFLOP/s fifth and their share of the GEMM rate sixth."""
+    attnpp's GFLOP/s fifth and their share of the GEMM rate sixth (the peers' table, after a blank line, is not
+    read)."""
     table = stdout.split("\n\n")[1]
     return {cells[0]: cells for cells in (re.split(r"\s{2,}", line.strip()) for line in table.splitlines())}
 
 
+def peer_rows(stdout):
+    """The peers' table's rows by (case name, engine title), or {} if the run printed none."""
+    if "\npeers, forward only" not in stdout:
+        return {}
+    table = stdout.split("\npeers, forward only")[1].split("\n\n")[0].splitlines()[2:]  # (its caption, header)
+    return {tuple(cells[:2]): cells for cells in (re.split(r"\s{2,}", line.strip()) for line in table)}
+
+
 @pytest.fixture(scope="module")
 def quick():
-    """One --quick run (its stdout), shared by the tests that read it."""
-    result = run()
+    """One --quick run against the peers (its stdout), shared by the tests that read it."""
+    result = run(*AGAINST)
     assert result.returncode == 0, result.stderr
     return result.stdout
 
@@ -279,8 +294,7 @@ def test_every_attnpp_forward_is_consumed_or_under_no_grad(monkeypatch):
         assert attnpp.is_grad_enabled(), case.name
         pending = {type(layer).__name__: len(layer._contexts) for layer in saved if layer._contexts}
         assert not pending, f"{case.name}: contexts no backward consumed: {pending}"
-        # (attnpp.torch's layer runs under PyTorch's autograd: it saves no attnpp context)
-        layered = case.name.startswith(("Multihead", "article", "Attention")) and "attnpp.torch" not in case.name
+        layered = case.name.startswith(("Multihead", "article"))
         if layered and "fwd+bwd" in case.name or "training" in case.name:
             assert sum(saved.values()) >= 3, case.name  # the forwards did save (and the backwards consume)
         else:
@@ -439,11 +453,11 @@ def test_json_writes_the_machine_and_every_case_as_the_table_shows_it(tmp_path):
     names = run("--list", "--cases", selection).stdout.splitlines()
     assert len(names) == 4, names
     path = tmp_path / "results.json"
-    result = run("--cases", selection, "--repeats", "2", "--json", str(path), "--note", "a test run")
+    result = run("--cases", selection, "--repeats", "2", "--json", str(path), "--note", "a test run", *AGAINST)
     assert result.returncode == 0, result.stderr
     data = json.loads(path.read_text())
     assert data["format"] == "attnpp-bench-results/1"
-    assert data["command"][-6:] == ["--repeats", "2", "--json", str(path), "--note", "a test run"]
+    assert data["command"][-8:] == ["--repeats", "2", "--json", str(path), "--note", "a test run", *AGAINST]
     machine = data["machine"]
     assert machine["level"] == {"attnpp": attnpp.cpu_capability(), "torch": torch.backends.cpu.get_cpu_capability()}
     assert machine["versions"]["attnpp"] == attnpp.__version__ and machine["versions"]["torch"] == torch.__version__
@@ -480,3 +494,139 @@ def test_json_writes_the_machine_and_every_case_as_the_table_shows_it(tmp_path):
         if case["name"].startswith("memory"):
             assert case["line"] in result.stdout.splitlines() and "attnpp temporaries" in case["line"]
     assert data["sgemm"]["n"] == 256 and data["sgemm"]["gflops"]["PyTorch"] > 0
+
+    # the peers: their versions, a line for each one missing, and on the forward cases their figures as the peers'
+    # table shows them
+    assert set(data["peers"]["versions"]) == {title for title, there in INSTALLED.items() if there}
+    assert len(data["peers"]["missing"]) == list(INSTALLED.values()).count(False)
+    peers = peer_rows(result.stdout)
+    for case in data["cases"]:
+        if not case["name"].startswith("sdpa fwd "):
+            assert case.get("peers", {}) == {}, case["name"]
+            continue
+        assert set(case["peers"]) == set(data["peers"]["versions"]), case["name"]
+        for title, figures in case["peers"].items():
+            row = peers[case["name"], title]
+            assert len(figures["samples_s"]) == 2 and fmt_time(figures["median_s"]) == row[2]
+            ratios = np.array(figures["samples_s"]) / np.array(case["attnpp"]["samples_s"])
+            assert np.isclose(figures["ratio"]["median"], np.median(ratios), rtol=1e-12, atol=0)
+            assert row[3] == f"{figures['ratio']['median']:.2f} [{figures['ratio']['iqr'][0]:.2f}-" \
+                             f"{figures['ratio']['iqr'][1]:.2f}]"
+            assert 0 <= figures["error"] <= figures["tolerance"] == 1e-5  # float32
+            assert row[4] == f"{figures['error']:.1e} <= 1e-05"
+
+    # the documentation's hook renders the same file, the peers' table and the share of the GEMM rate included
+    spec = importlib.util.spec_from_file_location("performance_hook", ROOT / "docs" / "hooks" / "performance.py")
+    hook = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(hook)
+    page = hook.render(data, path.name)
+    for case in data["cases"]:
+        if "skipped" not in case:
+            assert f" | {case['gemm_share']:.0%} | " in page.split(case["name"], 1)[1].splitlines()[0], case["name"]
+        for title, figures in case.get("peers", {}).items():
+            assert (f"| {case['name']} | {title} | {fmt_time(figures['median_s'])} | "
+                    f"{figures['ratio']['median']:.2f} [") in page, (case["name"], title)
+
+
+def test_quick_run_times_the_peers_after_their_float64_check(quick):
+    # --against onnxruntime,openvino: every forward case with a problem for the peers (the kernel's in each dtype)
+    # has a row per installed engine in the peers' table; float32 and
+    # float16 ones are timed after an error within the dtype's tolerance against float64; a bfloat16 one is timed
+    # the same way or skipped saying why (ONNX Runtime has no bfloat16 Attention kernel on the CPU); the backward
+    # cases have none
+    from attnpp.bench.peers import CHECK_TOLERANCE
+    names = table_rows(quick)
+    forward = [n for n in names if n.startswith("sdpa fwd ")]
+    assert len(forward) == 2 + 4, forward
+    rows, installed = peer_rows(quick), [title for title, there in INSTALLED.items() if there]
+    assert set(rows) == {(name, title) for name in forward for title in installed}, quick
+    for (name, title), cells in rows.items():
+        dtype = next((d for d in ("bfloat16", "float16") if name.endswith(d)), "float32")
+        if cells[2] == "skipped":
+            assert dtype == "bfloat16" and title == "ONNX Runtime", cells
+            assert cells[4] == "-" and cells[5].startswith("no session for Attention (opset 23) in bfloat16 on the "
+                                                           "CPU ("), cells
+            continue
+        assert RATIO.match(cells[3]), cells
+        error, tolerance = cells[4].split(" <= ")
+        assert float(error) <= float(tolerance) == float(f"{CHECK_TOLERANCE[dtype]:.2g}"), cells
+        gqa = title == "OpenVINO" and name.startswith("decode-length")
+        assert (cells[5:] == ["GQA: key and value repeated from 2 to 4 heads beforehand, not timed (opset13's SDPA has "
+                              "no grouped heads)"]) if gqa else (len(cells) == 5), cells
+    header = [line for line in quick.splitlines() if line.startswith("peers (--against")]
+    if installed:
+        assert header and all(f"{title} " in header[0] for title in installed), header
+    for name, title in PEERS.items():
+        missing = f"--against {name}: {title} skipped, not importable here"
+        assert (missing in quick) != INSTALLED[title], quick
+
+
+NO_PEERS = [sys.executable, "-c", "import sys; sys.modules['onnxruntime'] = sys.modules['openvino'] = None; "
+                                  "from attnpp.bench import main; main(sys.argv[1:])", "--quick"]
+
+
+def test_peers_not_installed_are_skipped_with_a_line_and_the_run_goes_on():
+    result = run("--cases", r"^sdpa fwd \S+( causal)?$", "--repeats", "2", *AGAINST, bench=NO_PEERS)
+    assert result.returncode == 0, result.stderr
+    lines = [f"--against {name}: {title} skipped, not importable here (import of {name} halted; None in "
+             "sys.modules): pip install \".[bench-peers]\" (onnx, onnxruntime, openvino)" for name, title in
+             PEERS.items()]
+    for line in lines:
+        assert result.stdout.splitlines().count(line) == 1 and line in result.stderr, result.stdout
+    assert "peers (--against): none installed" in result.stdout.splitlines()
+    rows = table_rows(result.stdout)
+    assert [n for n in rows if n != "case"] == ["sdpa fwd (1,2,64,16)", "sdpa fwd (2,2,32,16) causal"]
+    assert all(RATIO.match(cells[3]) for name, cells in rows.items() if name != "case")
+    assert peer_rows(result.stdout) == {} and "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize("L, S, causal", [(9, 9, True), (3, 17, False), (1, 33, False)])
+def test_peer_reference_is_the_attention_in_float64(L, S, causal):
+    # the float64 output the peers are checked against, on chosen query rows, is PyTorch's attention in float64
+    # (grouped heads: 6 query heads over 2 key heads)
+    import torch.nn.functional as TF
+    from attnpp.bench.peers import Problem, check_error, reference_rows
+    rng = np.random.default_rng(5)
+    problem = Problem(rng.standard_normal((2, 6, L, 8), dtype=np.float32),
+                      *(rng.standard_normal((2, 2, S, 8), dtype=np.float32) for _ in range(2)), is_causal=causal)
+    expected = TF.scaled_dot_product_attention(*(torch.from_numpy(x).double() for x in
+                                                 (problem.query, problem.key, problem.value)),
+                                               is_causal=causal, enable_gqa=True).numpy()
+    rows = np.array([L - 1, 0] if L > 1 else [0])
+    np.testing.assert_allclose(reference_rows(problem, rows), expected[:, :, rows], rtol=1e-12, atol=1e-12)
+    error, checked = check_error(problem, expected.astype(np.float32))
+    assert checked == L and 0 < error < 1e-6
+
+
+def test_peers_skip_an_engine_off_by_more_than_the_tolerance_or_too_large(monkeypatch):
+    # stand-in engines: one exact, one off by 1e-3 (its check fails: skipped with its error), one that would hold
+    # more than half the memory available (not run): each skipped one says why, the exact one is ready to time
+    import torch.nn.functional as TF
+    from attnpp.bench import peers
+    problem = peers.Problem(*(np.random.default_rng(1).standard_normal((1, 2, 5, 4), dtype=np.float32)
+                              for _ in range(3)), is_causal=True)
+    exact = TF.scaled_dot_product_attention(*map(torch.from_numpy, (problem.query, problem.key, problem.value)),
+                                            is_causal=True).numpy()
+    engines = {"exact": peers.Engine("exact", "Exact", ("numpy",), lambda p, threads: (lambda: exact, "a note")),
+               "off": peers.Engine("off", "Off", ("numpy",), lambda p, threads: (lambda: exact + 1e-3, "")),
+               "huge": peers.Engine("huge", "Huge", ("numpy",), lambda p, threads: pytest.fail("run"),
+                                    lambda p: (2 ** 50, "its weights"))}
+    monkeypatch.setattr(peers, "ENGINES", engines)
+    monkeypatch.setattr(peers, "available_memory", lambda: 2 ** 31)
+    ready, skipped = peers.Peers(list(engines), 1).prepare(problem)
+    assert list(ready) == ["Exact"] and ready["Exact"][0]() is exact and ready["Exact"][1] >= 0
+    assert ready["Exact"][2].error < 1e-6 and ready["Exact"][2].note == "a note"
+    assert skipped["Off"].skipped == (f"not timed: its output is off by {skipped['Off'].error:.2g} against float64 on "
+                                      "5 rows, above 1e-05")
+    assert np.isclose(skipped["Off"].error, 1e-3 / max(1, np.abs(exact).max()), rtol=1e-3)  # (relative above 1)
+    assert skipped["Huge"].skipped == ("not run: it would hold its weights, 1048576.0 GiB, more than 50% of the 2.0 "
+                                       "GiB available")
+
+
+def test_against_names_known_engines_only(capsys):
+    from attnpp import bench
+    assert bench.parse_args(["--against", "openvino, onnxruntime"]).against == ["openvino", "onnxruntime"]
+    with pytest.raises(SystemExit) as exit_status:
+        bench.parse_args(["--against", "onnxruntime,tensorflow"])
+    assert exit_status.value.code == 2
+    assert "--against: unknown engine 'tensorflow' (choose from onnxruntime, openvino)" in capsys.readouterr().err

@@ -1,8 +1,9 @@
-"""Benchmark: attnpp against PyTorch on the CPU, in one table.
+"""Benchmark: attnpp against PyTorch on the CPU, in one table, and against other CPU attention engines on request.
 
 Run ``python -m attnpp.bench`` (``--help`` for the options, ``--list`` for the case names, ``--quick`` for a
-tiny run of every case kind). It needs PyTorch (``pip install ".[test]"``); ``import attnpp`` never imports
-this module.
+tiny run of every case kind, ``--against onnxruntime,openvino`` for the peers). It needs PyTorch
+(``pip install ".[test]"``), the peers their own packages (``pip install ".[bench-peers]"``); ``import attnpp``
+never imports this module.
 
 What it measures, in float32 unless a case names another dtype, each case on both libraries with the same inputs
 and weights:
@@ -68,6 +69,14 @@ and weights:
   rate of its dtype (``% of GEMM``: the bfloat16 product for bfloat16, the sgemm otherwise; report.gemm_rate); a
   line gives the best and median share of the forward cases (``sdpa fwd``; issue 37's target: at least 85%),
   another the bfloat16 ones.
+- the peers (``--against onnxruntime,openvino``, issue 37; the module ``peers``): ONNX Runtime through the standard
+  ONNX ``Attention`` operator (opset 23) and OpenVINO through ``opset13.scaled_dot_product_attention`` on the CPU
+  plugin, each on the run's threads, forward only, on the forward kernel cases (every dtype): each engine's first
+  call is checked against the attention in float64, then the
+  engine is timed in the same rounds as the case's two sides; the peers' table gives its time, the ratios t_peer /
+  t_attnpp, its error and a note (OpenVINO's grouped heads are repeated for it beforehand). An engine that is not
+  installed, has no kernel for the dtype, fails its check or would need more than half the available memory is
+  skipped with a line saying why; the other cases go on.
 
 The header names the CPU level of each library (``attnpp.cpu_capability()``, PyTorch's
 ``torch.backends.cpu.get_cpu_capability()``). ``--capability avx2`` runs the whole benchmark in a child process with
@@ -77,7 +86,8 @@ the AVX2 (or baseline) path. (Without oneDNN's cap, PyTorch's bfloat16 products 
 
 How: one process; both libraries on the same thread count (``--threads``, default all cores). Each case warms
 each side up, then measures the memory of one call per side, then times attnpp and PyTorch alternately
-(a, t, a, t, ...), so that a drift of the machine (clock, other load) hits both alike. A fast call is timed as the
+(a, t, a, t, ...; with peers a, t, then each peer, in rounds), so that a drift of the machine (clock, other load)
+hits all alike. A fast call is timed as the
 mean of a batch calibrated so that one sample lasts at least 20 ms; the training runs in chunks of steps, one
 chunk per sample. Each pair gives a ratio t_PyTorch / t_attnpp (above 1: attnpp is faster); the table shows the
 median of the ratios with their interquartile range, and the median time of each side (the training: the sum of
@@ -100,27 +110,31 @@ What each side runs in a call:
 The package, one owner per concern: ``config`` (sizes, targets, the ``--capability`` environment), ``case`` (a
 case, its result), ``calls`` (the problems the families share: the kernel on random inputs, a layer against its
 PyTorch twin), one module per case family (``kernel``, ``variants``, ``half``, ``fused_loss``, ``huggingface``,
-``context_parallel`` with its worker processes in ``_ring``, ``articles``), ``registry`` (the families, in the
-table's order), ``measure``, ``report``, ``results`` (the ``--json`` file) and ``cli`` (``python -m attnpp.bench``).
+``context_parallel`` with its worker processes in ``_ring``, ``articles``), ``registry`` (the families, in the table's order), ``peers`` (the other engines, their check),
+``measure``, ``report``, ``results`` (the ``--json`` file) and ``cli`` (``python -m attnpp.bench``).
 No module imports this package's ``__init__``: it only gathers the names below.
 """
 from __future__ import annotations
 
 from .articles import HelloWorldModel, training_calls
-from .calls import Sides, attention_calls, kernel_calls, layer_calls, mha_calls, random_inputs, sdpa_sides
-from .case import Case, Result, Skipped, Unavailable, attention_flops, fmt_shape, fmt_time, kernel_flops
+from .calls import (Sides, attention_calls, kernel_calls, kernel_problem, layer_calls, mha_calls, random_inputs,
+                    sdpa_sides)
+from .case import Case, PeerResult, Result, Skipped, Unavailable, attention_flops, fmt_shape, fmt_time, kernel_flops
 from .cli import main, parse_args
 from .config import SIZES, capability_env
 from .measure import measure, peak_growth_mib, sgemm_gflops
+from .peers import ENGINES, Peers, Problem, check_error, reference_rows
 from .registry import FAMILIES, make_cases
-from .report import bfloat16_gemm_line, gemm_rate, gemm_share, print_report, row, sgemm_line, target_line
+from .report import (bfloat16_gemm_line, gemm_rate, gemm_share, peer_rows, print_report, row, sgemm_line,
+                     target_line)
 from .variants import (compile_first_call, decode_steps, flex_summary, sliding_window, variant_cases, varlen_lengths,
                        varlen_sides, window_calls, window_pairs, window_sides)
 
-__all__ = ["Case", "FAMILIES", "HelloWorldModel", "Result", "SIZES", "Sides", "Skipped", "Unavailable",
-           "attention_calls", "attention_flops", "bfloat16_gemm_line", "capability_env", "compile_first_call",
-           "decode_steps", "flex_summary", "fmt_shape", "fmt_time", "gemm_rate", "gemm_share", "kernel_calls",
-           "kernel_flops", "layer_calls", "main", "make_cases", "measure", "mha_calls", "parse_args",
-           "peak_growth_mib", "print_report", "random_inputs", "row", "sdpa_sides", "sgemm_gflops", "sgemm_line",
-           "sliding_window", "target_line", "training_calls", "variant_cases", "varlen_lengths", "varlen_sides",
-           "window_calls", "window_pairs", "window_sides"]
+__all__ = ["Case", "ENGINES", "FAMILIES", "HelloWorldModel", "PeerResult", "Peers", "Problem", "Result", "SIZES",
+           "Sides", "Skipped", "Unavailable", "attention_calls", "attention_flops", "bfloat16_gemm_line",
+           "capability_env", "check_error", "compile_first_call", "decode_steps", "flex_summary", "fmt_shape", "fmt_time", "gemm_rate", "gemm_share",
+           "kernel_calls", "kernel_flops", "kernel_problem", "layer_calls", "main", "make_cases", "measure",
+           "mha_calls", "parse_args", "peak_growth_mib", "peer_rows", "print_report",
+           "random_inputs", "reference_rows", "row", "sdpa_sides", "sgemm_gflops", "sgemm_line", "sliding_window",
+           "target_line", "training_calls", "variant_cases", "varlen_lengths", "varlen_sides", "window_calls",
+           "window_pairs", "window_sides"]

@@ -1,4 +1,5 @@
-"""The report: the header (setup and method), the table, the cases' own lines, the targets and the GEMM lines."""
+"""The report: the header (setup and method), the table, the peers' table (--against), the cases' own lines, the
+targets and the GEMM lines."""
 from __future__ import annotations
 
 import os
@@ -31,10 +32,12 @@ def gemm_share(result, rates):
     return None if gflops is None else gflops / gemm_rate(result.case.dtype, rates)
 
 
-def ratio_quartiles(result):
-    """25th, 50th and 75th percentiles of the ratios t_PyTorch / t_attnpp, one per alternating pair."""
+def ratio_quartiles(result, peer=None):
+    """25th, 50th and 75th percentiles of the ratios t_PyTorch / t_attnpp, one per alternating pair; with ``peer``
+    (a PeerResult of the case), of t_peer / t_attnpp, one per round."""
     a, t = (np.asarray(x) for x in result.times)
-    return np.percentile(t / a, [25, 50, 75])
+    other = t if peer is None else np.asarray(peer.times)
+    return np.percentile(other / a, [25, 50, 75])
 
 
 def fmt_ratio(quartiles):
@@ -59,13 +62,30 @@ def row(result, rates):
 
 HEADER = ["case", "attnpp time", "PyTorch time", "ratio [IQR]", "attnpp GFLOP/s", "% of GEMM", "attnpp MiB",
           "PyTorch MiB"]
+PEER_HEADER = ["case", "peer", "peer time", "peer/attnpp [IQR]", "float64 check", "note"]
+PEER_LEFT = (0, 1, 5)
 
 
-def print_table(rows):
-    """Left-aligned names, right-aligned numbers, columns two spaces apart."""
-    widths = [max(len(r[i]) for r in [HEADER] + rows) for i in range(len(HEADER))]
-    for r in [HEADER] + rows:
-        print("  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))))
+def peer_rows(results):
+    """The peers' table: one row per case and engine (--against): its median time, the ratios t_peer / t_attnpp of
+    the rounds, its error against float64 and the tolerance met, and its note; a skipped engine keeps its row."""
+    rows = []
+    for r in results:
+        for title, peer in getattr(r, "peers", {}).items():
+            if peer.skipped:  # (its check failed: the error it had; else it did not run)
+                check = "-" if peer.error is None else f"{peer.error:.1e} > {peer.tolerance:.2g}"
+                rows.append([r.case.name, title, "skipped", "-", check, peer.skipped])
+            else:
+                rows.append([r.case.name, title, fmt_time(np.median(peer.times)), fmt_ratio(ratio_quartiles(r, peer)),
+                             f"{peer.error:.1e} <= {peer.tolerance:.2g}", peer.note])
+    return rows
+
+
+def print_table(rows, header=HEADER, left=(0,)):
+    """Columns two spaces apart: those of ``left`` (names, notes) left-aligned, the others (numbers) right-aligned."""
+    widths = [max(len(r[i]) for r in [header] + rows) for i in range(len(header))]
+    for r in [header] + rows:
+        print("  ".join(c.ljust(w) if i in left else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))).rstrip())
 
 
 def capability_line():
@@ -119,10 +139,11 @@ def target_line(result):
     return head + f"ratio {ratio:.2f}, issue {result.case.issue}'s target >= {result.case.target}: {verdict}"
 
 
-def print_report(results, repeats, min_sample, quick, load, sgemm):
-    """The header (setup and method), the table (``results``: a Result or Skipped per case), a line per skipped
-    case, the cases' own lines (memory, FlexAttention's compile), the targets met or not, the GEMM lines (``sgemm``:
-    the arguments of sgemm_line after the results) and the note on the ratios."""
+def print_report(results, repeats, min_sample, quick, load, sgemm, peers=None):
+    """The header (setup and method; the peers of ``peers``, a peers.Peers, and a line per engine not installed),
+    the table (``results``: a Result or Skipped per case), the peers' table, a line per skipped case, the cases' own
+    lines (memory, FlexAttention's compile), the targets met or not, the GEMM lines (``sgemm``: the arguments of
+    sgemm_line after the results) and the note on the ratios."""
     print(f"attnpp {attnpp.__version__} vs PyTorch {torch.__version__} (CPU), float32 unless a case names its dtype"
           f"{' (--quick)' if quick else ''}")
     print(f"threads: attnpp {attnpp.get_num_threads()}, PyTorch {torch.get_num_threads()} | repeats: {repeats} "
@@ -139,9 +160,20 @@ def print_report(results, repeats, min_sample, quick, load, sgemm):
     print("GFLOP/s: attnpp's, FlashAttention's count (forward 4 B H L S D, halved when causal; backward 2.5 times the "
           "forward); % of GEMM: of the same run's GEMM rate in the case's dtype (bfloat16: PyTorch's bfloat16 "
           "product, else its float32 one, see the GEMM lines)")
+    if peers is not None:
+        print(peers.header() if peers.engines else "peers (--against): none installed")
+        for line in peers.missing:
+            print(line)
     print()
     print_table([row(r, rates) for r in results])
     print()
+    peer_table = peer_rows(results)
+    if peer_table:
+        print("peers, forward only: each engine's first call checked against float64 (the error it had, the "
+              "tolerance it met), then timed in the same rounds as the case (a, t, then each peer); peer/attnpp = "
+              "peer time / attnpp time of each round, median [25th-75th percentile]; above 1: attnpp faster")
+        print_table(peer_table, PEER_HEADER, PEER_LEFT)
+        print()
     for r in results:
         if isinstance(r, Skipped):
             print(f"skipped {r.case.name}: {r.reason}")
