@@ -85,7 +85,10 @@ def test_quick_run_prints_a_ratio_for_every_case(quick):
         else:
             assert RATIO.match(rows[name][3]), f"no ratio in the row of {name!r}: {rows[name]}"
     assert re.search(r"attnpp temporaries -?\d+\.\d+ MiB|n/a", quick)
-    assert sum(n.startswith(("window", "decode", "varlen")) for n in names) == 9  # (decode in 3 dtypes)
+    assert sum(n.startswith(("window", "decode fwd", "varlen")) for n in names) == 9  # (decode in 3 dtypes)
+    # issue 37's: causal lengths (2 head sizes x 2 lengths x fwd, fwd+bwd), decode (2 dtypes x 2 lengths x 2 calls)
+    assert sum(n.startswith("causal-length") for n in names) == 8
+    assert sum(n.startswith("decode-length") for n in names) == 8
     # issue 14's 7 targets, issue 21's: the 2 kernel cases x fwd, fwd+bwd x bfloat16, float16 and the decode step;
     # issue 23's 2 (linear_cross_entropy at two widths); bfloat16's fwd+bwd under float32 numerics has none
     assert "targets: not judged at --quick sizes (23 cases have one at full size)" in quick.splitlines()
@@ -120,10 +123,12 @@ def test_sgemm_line_sets_the_attention_forward_against_the_sgemm_rate(quick):
     except ImportError:
         assert "default threads" in numpy_threads and "threadpoolctl" in numpy_threads
 
-    # best and median: over the table's own figures for the forward kernel cases (not fwd+bwd, not memory)
+    # best and median: over the table's own figures for the forward kernel cases, those of the causal lengths
+    # included (not fwd+bwd, not memory, not the halves)
     rows = table_rows(quick)
-    forward = [cells[4] for name, cells in rows.items() if name.startswith("sdpa fwd ") and "float16" not in name]
-    assert int(cases) == len(forward) == 2
+    forward = [cells[4] for name, cells in rows.items()
+               if name.startswith(("sdpa fwd ", "causal-length fwd ")) and "float16" not in name]
+    assert int(cases) == len(forward) == 6
     assert best == max(forward, key=float)
     assert abs(float(median) - np.median([float(g) for g in forward])) <= 0.101  # both rounded to 0.1
     # the shares: of PyTorch's rate, in percent (from unrounded figures, so within one point of the printed ones)
@@ -529,15 +534,15 @@ def test_json_writes_the_machine_and_every_case_as_the_table_shows_it(tmp_path):
 
 
 def test_quick_run_times_the_peers_after_their_float64_check(quick):
-    # --against onnxruntime,openvino: every forward case with a problem for the peers (the kernel's in each dtype)
-    # has a row per installed engine in the peers' table; float32 and
+    # --against onnxruntime,openvino: every forward case with a problem for the peers (the kernel's in each dtype,
+    # the causal lengths', the decode steps') has a row per installed engine in the peers' table; float32 and
     # float16 ones are timed after an error within the dtype's tolerance against float64; a bfloat16 one is timed
     # the same way or skipped saying why (ONNX Runtime has no bfloat16 Attention kernel on the CPU); the backward
     # cases have none
     from attnpp.bench.peers import CHECK_TOLERANCE
     names = table_rows(quick)
-    forward = [n for n in names if n.startswith("sdpa fwd ")]
-    assert len(forward) == 2 + 4, forward
+    forward = [n for n in names if n.startswith(("sdpa fwd ", "causal-length fwd ", "decode-length "))]
+    assert len(forward) == 2 + 4 + 4 + 8, forward
     rows, installed = peer_rows(quick), [title for title, there in INSTALLED.items() if there]
     assert set(rows) == {(name, title) for name in forward for title in installed}, quick
     for (name, title), cells in rows.items():

@@ -79,8 +79,8 @@ def parse_args(argv):
                                                   "ranges and ratios (attnpp.bench.results)")
     p.add_argument("--note", help="a note on the run stored in the --json file's machine record (e.g. a loaded host)")
     p.add_argument("--against", metavar="ENGINES", type=lambda text: [n.strip() for n in text.split(",") if n.strip()],
-                   default=[], help="also time these engines, comma-separated, on the forward kernel cases, each "
-                                    "checked against float64 first: "
+                   default=[], help="also time these engines, comma-separated, on the forward cases of the kernel, "
+                                    "causal-length and decode-length families, each checked against float64 first: "
                                     f"{', '.join(ENGINES)} (attnpp.bench.peers; an engine not installed is skipped "
                                     "with a line saying so)")
     args = p.parse_args(argv)
