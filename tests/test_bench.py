@@ -131,9 +131,12 @@ def test_sgemm_line_sets_the_attention_forward_against_the_sgemm_rate(quick):
     assert int(cases) == len(forward) == 6
     assert best == max(forward, key=float)
     assert abs(float(median) - np.median([float(g) for g in forward])) <= 0.101  # both rounded to 0.1
-    # the shares: of PyTorch's rate, in percent (from unrounded figures, so within one point of the printed ones)
+    # the shares: of PyTorch's rate, in percent, from unrounded figures: within the bounds the printed figures (each
+    # rounded to 0.1, the percent to 1) allow, which are wide where a loaded machine leaves the sgemm at 1 GFLOP/s
+    rate = float(torch_rate)
     for gflops, pct in ((best, best_pct), (median, median_pct)):
-        assert abs(int(pct) - 100 * float(gflops) / float(torch_rate)) <= 1 + 100 * 0.05 / float(torch_rate)
+        low, high = 100 * (float(gflops) - 0.05) / (rate + 0.05), 100 * (float(gflops) + 0.05) / max(rate - 0.05, 1e-9)
+        assert low - 0.5 <= int(pct) <= high + 0.5, (gflops, pct, torch_rate)
 
 
 def test_gemm_share_sets_each_dtype_against_its_product():
