@@ -9,10 +9,11 @@ after a check of their output against float64.
   inter-op thread), its threads not spinning after a call (``session.intra_op.allow_spinning`` 0): spinning, they
   took the cores from the engine timed next (on the loaded 2-core EPYC, attnpp's decoding step over 4,096 keys took
   21.5 ms right after ONNX Runtime's, 16 ms alone, 14-15 ms after a non-spinning ONNX Runtime); the rest as a user
-  gets it. ONNX Runtime 1.23 brought this operator's CPU kernel in float32
-  and float16, not bfloat16 (the session cannot be built: the case says so). The kernel holds the weights of all
-  heads, (B, Hq, L, S) in float32, at once (about 0.9 GiB at (1, 12, 4096, 64)): a problem whose weights would
-  take more than half the memory available is skipped, saying so.
+  gets it. ONNX Runtime 1.23 brought this operator's CPU kernel in float32 and float16, not bfloat16 (the session
+  cannot be built: the case says so). The kernel holds the weights of all heads, (B, Hq, L, S) in float32, at once:
+  its call grew by 1.1 to 1.2 times their size at (1, 12, 4096, 64), (1, 32, 4096, 128) and (1, 16, 8192, 128), and
+  the bench running it at (1, 32, 8192, 128) (8 GiB of weights) was killed for memory at 19 GiB. Twice the weights'
+  size is counted: a problem where that exceeds half the memory available is skipped, saying so.
 - OpenVINO (``openvino``): ``openvino.opset13.scaled_dot_product_attention`` in a model of static shapes, compiled
   for the CPU plugin with ``INFERENCE_NUM_THREADS`` set to the run's threads, the latency hint, and
   ``INFERENCE_PRECISION_HINT`` "f32" for float32 and float16 inputs, "bf16" for bfloat16: on a CPU with AVX512_BF16
@@ -120,9 +121,10 @@ def _onnxruntime_call(problem, threads):
 
 
 def _onnxruntime_memory(problem):
-    """Bytes ONNX Runtime's CPU Attention holds beyond its inputs and output: the weights of all heads at once."""
+    """Bytes ONNX Runtime's CPU Attention may hold beyond its inputs and output: twice the weights of all heads (see
+    the module's documentation)."""
     B, Hq, L, _ = problem.query.shape
-    return 4 * B * Hq * L * problem.key.shape[2], "the (B, Hq, L, S) attention weights in float32"
+    return 2 * 4 * B * Hq * L * problem.key.shape[2], "twice the (B, Hq, L, S) attention weights in float32"
 
 
 @functools.lru_cache(maxsize=None)
