@@ -15,6 +15,7 @@ from attnpp import functional as F, nn
 from attnpp.torch import from_numpy
 
 from .config import HALVES
+from .peers import Problem
 
 
 def forward_only(attnpp_call, torch_call):
@@ -107,6 +108,11 @@ def kernel_calls(shape, causal, backward, dtype=np.float32, bfloat16_numerics=No
         finally:
             attnpp.set_bfloat16_attention(before)
     return call_with_numerics, torch_call
+
+def kernel_problem(shape, causal, dtype=np.float32):
+    """The problem kernel_calls times, for the peers: the same random (B, H, L, D) query, key and value."""
+    return Problem(*random_inputs(shape, dtype)[:3], is_causal=causal)
+
 
 def layer_calls(layer, ref, x, backward, forward=None, ref_forward=None):
     """(attnpp call, PyTorch call) of a layer and its PyTorch twin (same weights) on the input x (B, L, E).
