@@ -288,10 +288,12 @@ def test_compile_fullgraph_transformers_model_matches_eager():
     # key_padding_mask, the causal mask as attnpp's flag): traced whole, no graph break
     pytest.importorskip("transformers")
     import attnpp.transformers  # noqa: F401 (registers "attnpp")
-    from test_transformers import batch, make
+    from helpers import hf_model
     torch._dynamo.reset()
-    model = make("llama", "attnpp")
-    ids, mask, _ = batch("left")
+    model = hf_model("llama", "attnpp")
+    ids = torch.randint(1, 128, (2, 16), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones(2, 16, dtype=torch.long)
+    mask[0, :5] = 0
     with torch.no_grad():
         eager = model(input_ids=ids, attention_mask=mask).logits
         compiled = torch.compile(model, fullgraph=True, backend="aot_eager")(input_ids=ids, attention_mask=mask)
