@@ -185,12 +185,12 @@ def hf_model(name, impl, dtype=torch.float32, weights=None, config=None, **overr
     return model.eval()
 
 
-def hf_bound(plain, reference):
+def hf_bound(plain, float64):
     """The bound of a float32 comparison with ``plain`` (a model's float32 values): twice their error against
-    ``reference`` (the float64 values of the same weights), at least float32's epsilon of the largest value (an
+    ``float64`` (the float64 values of the same weights), at least float32's epsilon of the largest value (an
     error measured on a few numbers, a loss, a weight near 1, can be 0 by chance: their own rounding is the least);
-    1e-4 of the largest value without a float64 reference (``reference`` None: gpt-oss's experts)."""
+    1e-4 of the largest value without a float64 reference (``float64`` None: gpt-oss's experts)."""
     scale = plain.abs().max().item()
-    if reference is None:
+    if float64 is None:
         return 1e-4 * scale
-    return max(2 * (plain - reference).abs().max().item(), torch.finfo(torch.float32).eps * scale)
+    return max(2 * (plain - float64).abs().max().item(), torch.finfo(torch.float32).eps * scale)

@@ -1,5 +1,5 @@
 """attn_implementation="attnpp" in Hugging Face transformers models, against transformers' own eager attention
-(training with the fused loss: tests/test_transformers_training.py).
+(training with the fused loss, packed sequences and chunks: tests/test_transformers_training.py).
 
 Random-initialised small configurations of each architecture (``from_config``, no download). The bound of a
 float32 comparison is twice eager's own float32 error: twice the largest difference between eager in float32 and
@@ -151,21 +151,6 @@ def test_custom_4d_mask_runs_dense():
     assert (got - want).abs().max().item() <= hf_bound(want, reference)
 
 
-def test_packed_sequences_run_dense():
-    """Packed sequences (position_ids restarting, no attention_mask): transformers' packed-sequence mask is
-    built dense for attnpp, and each sequence sees its own keys only."""
-    ids, _, _ = batch("left")
-    ids = ids[:1]
-    pos = torch.cat([torch.arange(7), torch.arange(T - 7)])[None]
-    attnpp = hf_model("llama", "attnpp")
-    eager = hf_model("llama", "eager", weights=attnpp)
-    ref = hf_model("llama", "eager", torch.float64, attnpp)
-    with torch.no_grad():
-        got, want = attnpp(ids, position_ids=pos).logits, eager(ids, position_ids=pos).logits
-        alone = torch.cat([ref(ids[:, :7]).logits, ref(ids[:, 7:]).logits], dim=1)
-    assert (got - want).abs().max().item() <= hf_bound(want, alone)
-
-
 def test_mask_function_layouts():
     """What attention_mask() passes on: a KeyLayout for transformers' own patterns (the cache's offset, the
     window, padding as key_padding_mask), the dense mask for any other."""
@@ -182,6 +167,44 @@ def test_mask_function_layouts():
     dense = AT.attention_mask(2, 6, 6, mask_function=custom, attention_mask=pad)
     want = torch.ones(6, 6, dtype=torch.bool).tril() & (torch.arange(6) != 2) & pad[:, None, None, :]
     assert dense.dtype == torch.bool and torch.equal(dense, want)
+
+
+def test_mask_function_blocks():
+    """Packed sequences and chunks as transformers builds their mask functions: a KeyLayout of varlen offsets
+    over the flattened rows (sequence starts, chunk starts counted from each sequence's positions, or after a row's
+    left padding), each block's keys checked against transformers' own dense mask; chunks over a cache, or over a
+    row padded in the middle, dense."""
+    from transformers.masking_utils import (and_masks, chunked_causal_mask_function, packed_sequence_mask_function,
+                                            remap_positions_for_packed_sequence, sdpa_mask,
+                                            sliding_window_causal_mask_function)
+    pos = torch.tensor([[0, 1, 2, 3, 4, 5, 6, 0, 1, 2, 3, 4], [0, 1, 2, 0, 1, 2, 3, 4, 5, 6, 7, 8]])
+    ids = (torch.diff(pos, prepend=pos[:, :1] - 1) != 1).cumsum(-1)
+    cases = [  # (mask function, attention mask, the blocks' starts over the flattened rows, then 24)
+        (and_masks(remap_positions_for_packed_sequence(sliding_window_causal_mask_function(3), pos),
+                   packed_sequence_mask_function(ids)), None, [0, 7, 12, 15]),
+        (and_masks(remap_positions_for_packed_sequence(chunked_causal_mask_function(4, torch.zeros(2, dtype=int)),
+                                                       pos), packed_sequence_mask_function(ids)), None,
+         [0, 4, 7, 11, 12, 15, 19, 23]),
+        (chunked_causal_mask_function(5, torch.tensor([2, 0])), torch.arange(12).expand(2, 12) >= torch.tensor(
+            [[2], [0]]), [0, 2, 7, 12, 17, 22])]
+    for function, padding, starts in cases:
+        layout = AT.attention_mask(2, 12, 12, mask_function=function, attention_mask=padding)
+        assert layout.cu_seqlens.tolist() == starts + [24]
+        dense = sdpa_mask(2, 12, 12, mask_function=function, attention_mask=padding,
+                          allow_is_causal_skip=False)[:, 0]
+        blocks = torch.zeros(24, 24, dtype=torch.bool)
+        for a, b in zip(layout.cu_seqlens[:-1].tolist(), layout.cu_seqlens[1:].tolist()):
+            blocks[a:b, a:b] = torch.ones(b - a, b - a, dtype=torch.bool).tril()
+            if layout.window is not None:
+                blocks[a:b, a:b] &= ~torch.ones(b - a, b - a, dtype=torch.bool).tril(-layout.window)
+        for r in range(2):  # (the real queries' keys: a padded query sees nothing in the dense mask)
+            real = slice(None) if padding is None else padding[r]
+            assert torch.equal(blocks[12 * r:12 * (r + 1), 12 * r:12 * (r + 1)][real], dense[r][real])
+    chunked = chunked_causal_mask_function(4, torch.zeros(2, dtype=int))
+    assert not isinstance(AT.attention_mask(2, 1, 9, q_offset=8, mask_function=chunked), AT.KeyLayout)
+    middle = torch.ones(2, 12, dtype=torch.bool)
+    middle[0, 5] = False
+    assert not isinstance(AT.attention_mask(2, 12, 12, mask_function=chunked, attention_mask=middle), AT.KeyLayout)
 
 
 def test_bad_use_raises():

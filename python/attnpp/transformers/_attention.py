@@ -1,16 +1,15 @@
 """``attn_implementation="attnpp"``: transformers' attention function and mask function, and their registration.
 
 The mask function passes the structure of a model's mask on (a ``KeyLayout``) instead of the dense (B, 1, L, S)
-mask; the attention function runs ``attnpp.torch.scaled_dot_product_attention``.
+mask; the attention function runs ``attnpp.torch``'s operators: ``scaled_dot_product_attention`` on a layout or a
+dense mask, ``scaled_dot_product_attention_varlen`` on packed sequences and chunks.
 """
-import inspect
-
 import torch
 from transformers import AttentionInterface
-from transformers.masking_utils import (AttentionMaskInterface, bidirectional_mask_function, causal_mask_function,
-                                        prepare_padding_mask, sdpa_mask)
+from transformers.masking_utils import AttentionMaskInterface, causal_mask_function, prepare_padding_mask, sdpa_mask
 
 from .. import torch as AT
+from ._packing import block_offsets, read_pattern
 
 NAME = "attnpp"
 
@@ -27,46 +26,34 @@ class KeyLayout:
         window (int or None): sliding window of ``window`` tokens: query i sees keys j > i + S - L - window.
         key_padding_mask (Tensor or None): (B, S) bool, True where a key is padding (masked out); None when no
             key is.
+        cu_seqlens (Tensor or None): (blocks + 1,) int64: the rows are block-diagonal (packed sequences, chunks):
+            the B rows of L = S tokens flattened, block k is tokens ``cu_seqlens[k]`` to ``cu_seqlens[k + 1]``,
+            causal within itself (with the window), and sees no other (attnpp's varlen call).
     """
 
-    __slots__ = ("keys", "is_causal", "window", "key_padding_mask")
+    __slots__ = ("keys", "is_causal", "window", "key_padding_mask", "cu_seqlens")
     # generate() builds the masks ahead of a step with a static cache and passes them back to the model as its
     # attention_mask: transformers then reads ndim (2 for a padding mask to convert) and hands the layout back
     # to attention_mask(), which returns it as it is, as it passes a prepared 4D mask through.
     ndim = 4
 
-    def __init__(self, keys, is_causal, window=None, key_padding_mask=None):
-        self.keys, self.is_causal, self.window, self.key_padding_mask = keys, is_causal, window, key_padding_mask
+    def __init__(self, keys, is_causal, window=None, key_padding_mask=None, cu_seqlens=None):
+        self.keys, self.is_causal, self.window = keys, is_causal, window
+        self.key_padding_mask, self.cu_seqlens = key_padding_mask, cu_seqlens
 
     def __repr__(self):
         pad = None if self.key_padding_mask is None else tuple(self.key_padding_mask.shape)
+        blocks = "" if self.cu_seqlens is None else f", blocks={self.cu_seqlens.numel() - 1}"
         return (f"KeyLayout(keys={self.keys}, is_causal={self.is_causal}, window={self.window}, "
-                f"key_padding_mask={pad})")
-
-
-def _pattern(mask_function):
-    """(is_causal, window or None) of transformers' own causal, sliding-window causal and bidirectional mask
-    functions; None for any other (combined with a custom function, packed sequences, chunks, ...)."""
-    if mask_function is causal_mask_function:
-        return True, None
-    if mask_function is bidirectional_mask_function:
-        return False, None
-    # sliding_window_causal_mask_function(w) = and_masks(sliding_window_overlay(w), causal_mask_function)
-    if getattr(mask_function, "__qualname__", "") == "and_masks.<locals>.and_mask":
-        parts = inspect.getclosurevars(mask_function).nonlocals.get("mask_functions", ())
-        if (len(parts) == 2 and parts[1] is causal_mask_function
-                and getattr(parts[0], "__qualname__", "") == "sliding_window_overlay.<locals>.inner_mask"):
-            window = inspect.getclosurevars(parts[0]).nonlocals.get("sliding_window")
-            if isinstance(window, int) and window > 0:
-                return True, window
-    return None
+                f"key_padding_mask={pad}{blocks})")
 
 
 def attention_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_function=causal_mask_function,
                    attention_mask=None, **kwargs):
     """transformers' mask function for ``"attnpp"`` (``AttentionMaskInterface``): a ``KeyLayout`` for the masks
-    attnpp's kernel expresses (causal, sliding-window causal, bidirectional, with padding), else the dense
-    boolean mask (B, 1, L, S) of ``transformers.masking_utils.sdpa_mask`` (True where a key takes part).
+    attnpp's kernel expresses (causal, sliding-window causal, bidirectional, with padding; packed sequences and
+    chunked attention as varlen blocks), else the dense boolean mask (B, 1, L, S) of
+    ``transformers.masking_utils.sdpa_mask`` (True where a key takes part).
 
     Args:
         batch_size, q_length, kv_length (int): B, L, and the keys of the layer's cache S.
@@ -77,36 +64,74 @@ def attention_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mas
     """
     if isinstance(attention_mask, KeyLayout):  # prepared for this step already (generate with a static cache)
         return attention_mask
-    pattern = _pattern(mask_function)
+    pattern = read_pattern(mask_function)
     shift = int(q_offset) - int(kv_offset)  # query i sits at key position i + shift
-    keys = min(kv_length, shift + q_length) if pattern and pattern[0] else kv_length
-    if pattern is None or (pattern[0] and keys != shift + q_length):
-        kwargs.pop("allow_is_causal_skip", None)
-        kwargs.pop("allow_is_bidirectional_skip", None)
-        return sdpa_mask(batch_size, q_length, kv_length, q_offset, kv_offset, mask_function, attention_mask,
-                         allow_is_causal_skip=False, allow_is_bidirectional_skip=False, **kwargs)
-    padding = None
-    if attention_mask is not None:
-        real = prepare_padding_mask(attention_mask, kv_length, kv_offset)[:, kv_offset:kv_offset + keys]
-        # (traced by torch.compile, or on the meta device, whether any key is padding is data the graph cannot
-        # branch on: the padding mask is then passed whatever it holds)
-        if torch.compiler.is_compiling() or real.is_meta or not bool(real.all()):
-            padding = ~real.to(torch.bool)
-    return KeyLayout(keys, pattern[0], pattern[1], padding)
+    keys = min(kv_length, shift + q_length) if pattern and pattern.is_causal else kv_length
+    real = None if attention_mask is None else prepare_padding_mask(attention_mask, kv_length, kv_offset)
+    if pattern is not None and pattern.blocks:
+        offsets = block_offsets(pattern, batch_size, q_length, kv_length, q_offset, kv_offset,
+                                None if real is None else real[:, kv_offset:kv_offset + kv_length])
+        if offsets is not None:
+            return KeyLayout(kv_length, True, pattern.window, cu_seqlens=offsets)
+    elif pattern is not None and (not pattern.is_causal or keys == shift + q_length):
+        padding = None
+        if real is not None:
+            real = real[:, kv_offset:kv_offset + keys]
+            # (traced by torch.compile, or on the meta device, whether any key is padding is data the graph cannot
+            # branch on: the padding mask is then passed whatever it holds)
+            if torch.compiler.is_compiling() or real.is_meta or not bool(real.all()):
+                padding = ~real.to(torch.bool)
+        return KeyLayout(keys, pattern.is_causal, pattern.window, padding)
+    kwargs.pop("allow_is_causal_skip", None)
+    kwargs.pop("allow_is_bidirectional_skip", None)
+    return sdpa_mask(batch_size, q_length, kv_length, q_offset, kv_offset, mask_function, attention_mask,
+                     allow_is_causal_skip=False, allow_is_bidirectional_skip=False, **kwargs)
+
+
+def _mask_args(module, query, key, value, attention_mask, is_causal):
+    """(key, value, the mask arguments of attnpp's call) for a ``KeyLayout``, a dense 4D mask or None."""
+    if isinstance(attention_mask, KeyLayout):
+        layout = attention_mask
+        if layout.keys < key.shape[2]:  # (a static cache's unfilled end; a slice costs ~15 us of a decoding step)
+            key, value = key[:, :, :layout.keys], value[:, :, :layout.keys]
+        return key, value, dict(attn_mask=None, is_causal=layout.is_causal, causal_alignment="bottom_right",
+                                window=None if layout.window is None else (layout.window - 1, 0),
+                                key_padding_mask=layout.key_padding_mask)
+    if attention_mask is None:
+        causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
+        return key, value, dict(attn_mask=None, is_causal=bool(causal and query.shape[2] > 1),
+                                causal_alignment="top_left", window=None, key_padding_mask=None)
+    if attention_mask.dtype != torch.bool and attention_mask.dtype != query.dtype:
+        attention_mask = attention_mask.to(query.dtype)
+    return key, value, dict(attn_mask=attention_mask, is_causal=False, causal_alignment="top_left", window=None,
+                            key_padding_mask=None)
+
+
+def _packed(query, key, value, layout, options):
+    """The varlen call on a block-diagonal layout: the B rows of L tokens as (B * L, H, D) (a view when B = 1),
+    output (B, L, Hq, Dv)."""
+    B, L = query.shape[0], query.shape[2]
+    rows = lambda x: x.transpose(1, 2).reshape(B * L, x.shape[1], x.shape[3])
+    out = AT.scaled_dot_product_attention_varlen(
+        rows(query), rows(key), rows(value), layout.cu_seqlens, layout.cu_seqlens, options["dropout_p"],
+        is_causal=True, scale=options["scale"], window=None if layout.window is None else (layout.window - 1, 0),
+        softcap=options["softcap"], sinks=options["sinks"])
+    return out.view(B, L, out.shape[1], out.shape[2])
 
 
 def attention_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None, softcap=None,
                       s_aux=None, is_causal=None, sliding_window=None, **kwargs):
     """transformers' attention function for ``"attnpp"`` (``AttentionInterface``), called by every attention
-    layer: ``attnpp.torch.scaled_dot_product_attention`` of the layer's heads.
+    layer: ``attnpp.torch.scaled_dot_product_attention`` of the layer's heads (``..._varlen`` on packed
+    sequences and chunks).
 
     Args:
         module (torch.nn.Module): the attention layer (its ``is_causal`` is read when no mask is given).
         query (Tensor): (B, Hq, L, D); key (Tensor): (B, Hk, S, D); value (Tensor): (B, Hk, S, Dv); Hq a
             multiple of Hk. float32, float64, float16 or bfloat16, on the CPU.
         attention_mask (KeyLayout, Tensor or None): ``attention_mask()``'s ``KeyLayout``; or a dense 4D mask
-            broadcastable to (B, Hq, L, S), bool (True where a key takes part) or float (added to the scores);
-            or None: causal (top-left) when the module is causal and L > 1, as ``sdpa``.
+            broadcastable to (B, Hq, L, S), bool (True where a key takes part) or float (added to the scores); or
+            None: causal (top-left) when the module is causal and L > 1, as ``sdpa``.
         dropout (float): dropout on the weights (the model passes 0 in eval mode). Default: 0.0.
         scaling (float, optional): the factor on q k^T. Default: 1 / sqrt(D).
         softcap (float, optional): logit soft-capping (Gemma 2). Default: None.
@@ -130,29 +155,16 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
                          'positions): use attn_implementation="eager"')
     options = dict(scale=scaling, dropout_p=dropout, softcap=softcap, sinks=s_aux,
                    enable_gqa=query.shape[1] != key.shape[1])
-    if isinstance(attention_mask, KeyLayout):
-        layout = attention_mask
-        if layout.keys < key.shape[2]:  # (a static cache's unfilled end; a slice costs ~15 us of a decoding step)
-            key, value = key[:, :, :layout.keys], value[:, :, :layout.keys]
-        output = AT.scaled_dot_product_attention(
-            query, key, value, is_causal=layout.is_causal, causal_alignment="bottom_right",
-            window=None if layout.window is None else (layout.window - 1, 0),
-            key_padding_mask=layout.key_padding_mask, **options)
-    elif attention_mask is None:
-        causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
-        output = AT.scaled_dot_product_attention(query, key, value, is_causal=bool(causal and query.shape[2] > 1),
-                                                 **options)
-    else:
-        if attention_mask.dtype != torch.bool and attention_mask.dtype != query.dtype:
-            attention_mask = attention_mask.to(query.dtype)
-        output = AT.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask, **options)
+    if isinstance(attention_mask, KeyLayout) and attention_mask.cu_seqlens is not None:
+        return _packed(query, key, value, attention_mask, options), None
+    key, value, args = _mask_args(module, query, key, value, attention_mask, is_causal)
+    output = AT.scaled_dot_product_attention(query, key, value, **args, **options)
     return output.transpose(1, 2).contiguous(), None
 
 
 def register():
     """Adds ``"attnpp"`` to transformers' ``AttentionInterface`` (``attention_forward``) and
-    ``AttentionMaskInterface`` (``attention_mask``), for every model class; done when this module is imported.
-    Calling it again changes nothing."""
+    ``AttentionMaskInterface`` (``attention_mask``), for every model class; done when ``attnpp.transformers`` is
+    imported. Calling it again changes nothing."""
     AttentionInterface.register(NAME, attention_forward)
     AttentionMaskInterface.register(NAME, attention_mask)
-
