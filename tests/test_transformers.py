@@ -16,6 +16,7 @@ import socket
 import numpy as np
 import pytest
 import torch
+import transformers as tf
 from transformers import AttentionInterface
 
 import attnpp.transformers as AT
@@ -207,11 +208,70 @@ def test_mask_function_blocks():
     assert not isinstance(AT.attention_mask(2, 12, 12, mask_function=chunked, attention_mask=middle), AT.KeyLayout)
 
 
-def test_bad_use_raises():
+@pytest.mark.parametrize("name", HF_NAMES)
+def test_output_attentions_equal_eager(name):
+    """output_attentions=True: every layer's weights (B, Hq, L, S) of the right-padded batch, the real queries',
+    within twice eager's float32 error (sinks' share left out as eager leaves it, windows, soft-capping)."""
+    ids, mask, pos = batch("right")
+    attnpp = hf_model(name, "attnpp")
+    runs = {}
+    for impl, model in (("attnpp", attnpp), ("eager", hf_model(name, "eager", weights=attnpp))) + (
+            () if name in HF_NO_FLOAT64 else (("reference", hf_model(name, "eager", torch.float64, attnpp)),)):
+        with torch.no_grad():
+            weights = model(ids, attention_mask=mask, position_ids=pos, output_attentions=True).attentions
+        assert len(weights) == attnpp.config.num_hidden_layers
+        runs[impl] = torch.cat([w.double().transpose(1, 2)[mask.bool()].flatten() for w in weights])
+    limit = hf_bound(runs["eager"], runs.get("reference"))
+    assert (runs["attnpp"] - runs["eager"]).abs().max().item() <= limit
+
+
+def t5_model(impl, dtype=torch.float32, weights=None):
+    config = tf.T5Config(vocab_size=128, d_model=64, d_kv=16, d_ff=128, num_layers=2, num_heads=4, dropout_rate=0.0)
+    torch.manual_seed(0)
+    model = tf.AutoModelForSeq2SeqLM.from_config(config, attn_implementation=impl, dtype=dtype)
+    if weights is not None:
+        model.load_state_dict(weights.state_dict())
+    return model.train()
+
+
+def test_t5_position_bias_logits_and_gradients_equal_eager():
+    """T5's relative-position bias (position_bias) as a float mask: the logits of a padded batch and every
+    parameter's gradient, the relative_attention_bias tables' (the bias's gradient) included, within twice
+    eager's float32 error."""
+    g = torch.Generator().manual_seed(4)
+    ids, decoder_ids = torch.randint(1, 128, (2, 12), generator=g), torch.randint(1, 128, (2, 7), generator=g)
+    mask = torch.ones(2, 12, dtype=torch.long)
+    mask[1, -3:] = 0
+    attnpp = t5_model("attnpp")
+    runs = {}
+    for impl, model in (("attnpp", attnpp), ("eager", t5_model("eager", weights=attnpp)),
+                        ("reference", t5_model("eager", torch.float64, weights=attnpp))):
+        out = model(ids, attention_mask=mask, decoder_input_ids=decoder_ids)
+        torch.nn.functional.cross_entropy(out.logits.reshape(-1, 128), decoder_ids.reshape(-1)).backward()
+        grads = {n: p.grad.double() for n, p in model.named_parameters() if p.grad is not None}
+        runs[impl] = (out.logits.detach().double(), torch.cat([grads[n].flatten() for n in sorted(grads)]), grads)
+    assert sorted(runs["attnpp"][2]) == sorted(runs["eager"][2])
+    assert any("relative_attention_bias" in n and runs["attnpp"][2][n].abs().max() > 0 for n in runs["attnpp"][2])
+    for i, what in ((0, "logits"), (1, "gradients")):
+        limit = hf_bound(runs["eager"][i], runs["reference"][i])
+        assert (runs["attnpp"][i] - runs["eager"][i]).abs().max().item() <= limit, what
+
+
+def test_model_without_attention_interface_refused_at_load():
+    """Falcon's attention layers do not go through AttentionInterface: refused when built, naming the class."""
+    config = tf.FalconConfig(vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=2)
+    with pytest.raises(ValueError, match=r"FalconForCausalLM does not run its attention through transformers. "
+                                         r"AttentionInterface.*attn_implementation=.sdpa."):
+        tf.AutoModelForCausalLM.from_config(config, attn_implementation="attnpp")
+
+
+def test_packed_rows_refuse_weights():
     model = hf_model("llama", "attnpp")
-    ids, mask, _ = batch("left")
-    with pytest.raises(ValueError, match="output_attentions"):
-        model(ids, attention_mask=mask, output_attentions=True)
+    ids, _, _ = batch("left")
+    pos = torch.cat([torch.arange(7), torch.arange(T - 7)])[None]
+    with pytest.raises(ValueError, match="output_attentions=True"):
+        model(ids, position_ids=pos.expand(2, T), use_cache=False, output_attentions=True)
+
 
 def test_meta_model_propagates_shapes():
     # attnpp's operators have fake kernels: a model on the meta device gives the logits' shape without compute

@@ -10,7 +10,8 @@ Importing this package (which imports ``transformers``; ``import attnpp`` alone 
 ``"attnpp"`` joins transformers' ``AttentionInterface`` (the attention of every layer) and
 ``AttentionMaskInterface`` (the mask a model builds once per forward), as FlashAttention and FlexAttention do.
 Every attention layer of a model then runs ``attnpp.torch``'s operators: attnpp's forward, and its backward under
-autograd, in float32, float64, bfloat16 or float16, on the CPU.
+autograd, in float32, float64, bfloat16 or float16, on the CPU. A model class whose attention does not go through
+the interface (Falcon) is refused when it is built, with a ``ValueError`` naming the class.
 
 The mask function does not build the dense (B, 1, L, S) mask that ``sdpa`` and ``eager`` get. It reads the mask
 a model asks for and passes its structure on, as a ``KeyLayout``:
@@ -34,9 +35,10 @@ a model asks for and passes its structure on, as a ``KeyLayout``:
 Any other mask (a custom 4D mask from the user, image tokens' bidirectional blocks) is built dense by
 transformers' own ``sdpa_mask`` and passed as ``attn_mask``: correct, without the block skipping. The attention
 function maps the layer's arguments: ``scaling`` to ``scale``, ``softcap`` (Gemma 2) to ``softcap``, ``s_aux``
-(gpt-oss's sinks, with their gradient) to ``sinks``, ``dropout`` to ``dropout_p``; key/value heads fewer than the
-query's (GQA) are read as they are (``enable_gqa``), never repeated. A query of one token (a decoding step) takes
-attnpp's few-rows path (the heads of a group share key blocks).
+(gpt-oss's sinks, with their gradient) to ``sinks``, ``dropout`` to ``dropout_p``, T5's ``position_bias`` to a
+float mask with its gradient; key/value heads fewer than the query's (GQA) are read as they are
+(``enable_gqa``), never repeated; ``output_attentions=True`` returns the weights (computed only then). A query of
+one token (a decoding step) takes attnpp's few-rows path (the heads of a group share key blocks).
 
 ``apply(model)`` makes a causal LM's training forward with labels compute its loss with attnpp's fused linear +
 cross-entropy, without the (B, L, V) logits; ``revert(model)`` undoes it; ``from_pretrained`` and ``from_config``
@@ -46,11 +48,11 @@ The attention runs attnpp's registered operators (``attnpp.torch``): a model tra
 ``torch.compile(model, fullgraph=True)``, and a model on the meta device propagates shapes.
 
 Not supported, with a clear error rather than another implementation: tensors off the CPU (ValueError from
-``attnpp.torch``), ``output_attentions=True`` and ``position_bias`` (ValueError: use ``eager``).
+``attnpp.torch``), ``output_attentions=True`` and ``position_bias`` on packed sequences and chunks (ValueError).
 
 Tested with transformers 5.24 on random-initialised Llama, Mistral, Qwen2, Qwen3, Gemma 2, Gemma 3, gpt-oss,
-Phi-3, GPT-2, SmolLM3 and OLMo 2 configurations and Llama 4's chunked attention (``tests/test_transformers.py``,
-``tests/test_transformers_training.py``).
+Phi-3, GPT-2, SmolLM3 and OLMo 2 configurations, Llama 4's chunked attention and T5
+(``tests/test_transformers.py``, ``tests/test_transformers_training.py``).
 
 Layout: ``_attention`` (the attention and mask functions, ``KeyLayout``, the registration), ``_packing`` (the
 mask functions read, packed sequences and chunks as varlen offsets), ``_loss`` (``apply``, ``revert``, the
