@@ -23,6 +23,8 @@ class Case:
     target: Optional[float] = None       # the issue's target for the ratio (attnpp at least this many times faster)
     issue: int = 14                      # the issue that set the target
     dtype: str = "float32"               # the dtype of the inputs (a name of HALVES, or float32)
+    run: Optional[Callable[[], tuple]] = None  # -> (times, calls, memory): a case measured its own way (fine-tune:
+    #                                            configurations one after another in fresh processes; build unused)
 
 
 def fmt_shape(shape):
