@@ -67,7 +67,8 @@ and weights:
   AdamW step on sequences of random lengths filling 4 rows of 1,024 tokens, at V = 32,000 and 128,256: sdpa with
   transformers' loss on the sequences padded (one a row, micro-batches of 4 rows) against attnpp's attention
   alone, with the fused loss (``attnpp.transformers.apply``), and with the fused loss on the packed rows (varlen).
-  Each configuration runs in a fresh process of its own, one after another: a warm-up step, then 2 timed steps;
+  Each configuration runs in a fresh process of its own, one after another: a warm-up step, then a timed step
+  (each configuration's figures printed on stderr as they come);
   the table's MiB is the growth of a step, its line the process's peak resident set and the ratio against issue
   38's bounds (the packed run at most 50% of sdpa's at V = 32,000, 35% at 128,256), the tokens/s (targets 1.1
   padded, 1.3 packed), the first step's loss on both sides, and the tensors with two dimensions of L that any op

@@ -34,7 +34,7 @@ SIZES = {
                 context_parallel=(1, 12, 16384, 64),
                 fine_tune=dict(model=dict(hidden_size=768, intermediate_size=2048, num_hidden_layers=12,
                                           num_attention_heads=12, num_key_value_heads=4), label="125M",
-                               vocabs=(32000, 128256), rows=4, length=1024, steps=2)),
+                               vocabs=(32000, 128256), rows=4, length=1024, steps=1)),
     True: dict(kernel=[((1, 2, 64, 16), False), ((2, 2, 32, 16), True)],
                memory=(1, 2, 256, 16), mha=(2, 16, 32, 4), article004=(2, 10, 64, 8),
                window=((1, 2, 128, 16), 16), decode=(2, 4, 2, 16, 64), varlen=(3, 5, 40, 2, 16),

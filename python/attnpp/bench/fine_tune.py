@@ -169,6 +169,7 @@ def fine_tune_calls(spec, configs, cache, fresh_process):
         key = (spec["vocab"], config)
         if key not in cache:
             cache[key] = measured(dict(spec, config=config, threads=torch.get_num_threads()), fresh_process)
+            print(f"  fine-tune V={spec['vocab']} {config}: {json.dumps(cache[key])}", file=sys.stderr, flush=True)
         runs.append(cache[key])
     memory = tuple(None if None in r["growth_mib"] else max(r["growth_mib"]) for r in runs)
     return tuple(r["times"] for r in runs), (1, 1), memory
