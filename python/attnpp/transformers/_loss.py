@@ -183,7 +183,7 @@ def from_pretrained(pretrained_model_name_or_path, *args, fused_loss=True, **kwa
         The model.
 
     Raises:
-        as ``from_pretrained`` and ``apply``.
+        ValueError: as ``apply`` (a class not tested with the fused loss), and ``from_pretrained``'s errors.
     """
     return _load(transformers.AutoModelForCausalLM.from_pretrained, pretrained_model_name_or_path, *args,
                  fused_loss=fused_loss, **kwargs)
@@ -201,6 +201,6 @@ def from_config(config, *args, fused_loss=True, **kwargs):
         The model.
 
     Raises:
-        as ``from_config`` and ``apply``.
+        ValueError: as ``apply`` (a class not tested with the fused loss), and ``from_config``'s errors.
     """
     return _load(transformers.AutoModelForCausalLM.from_config, config, *args, fused_loss=fused_loss, **kwargs)
