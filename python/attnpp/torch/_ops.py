@@ -171,6 +171,7 @@ def _(grad_output, query, key, value, output, logsumexp, attn_mask, sinks, *opti
 
 
 def _sdpa_setup_context(ctx, inputs, output):
+    # (both attention operators, sdpa's and varlen's: their 7 tensor arguments first, then the options)
     ctx.save_for_backward(*inputs[:7], *output)
     ctx.options = inputs[7:]
 
@@ -291,11 +292,6 @@ def _(grad_output, query, key, value, output, logsumexp, cu_seqlens_q, cu_seqlen
     return _new(query), _new(key), _new(value), _none(query) if sinks is None else _new(sinks)
 
 
-def _varlen_setup_context(ctx, inputs, output):
-    ctx.save_for_backward(*inputs[:7], *output)
-    ctx.options = inputs[7:]
-
-
 def _varlen_backward_formula(ctx, grad_output, _grad_lse):
     query, key, value, cu_q, cu_k, sinks, alibi_slopes, output, lse = ctx.saved_tensors
     grads = _apply_sdpa_varlen_backward(grad_output, query, key, value, output, lse, cu_q, cu_k, sinks,
@@ -303,7 +299,7 @@ def _varlen_backward_formula(ctx, grad_output, _grad_lse):
     return (*grads[:3], None, None, None if sinks is None else grads[3]) + (None,) * (1 + len(ctx.options))
 
 
-apply_sdpa_varlen = _differentiable(sdpa_varlen_forward, _varlen_backward_formula, _varlen_setup_context)
+apply_sdpa_varlen = _differentiable(sdpa_varlen_forward, _varlen_backward_formula, _sdpa_setup_context)
 sdpa_varlen_forward.register_vmap(_loop_rule(sdpa_varlen_forward))
 sdpa_varlen_backward.register_vmap(_loop_rule(sdpa_varlen_backward))
 _apply_sdpa_varlen_backward = _backward_of(sdpa_varlen_backward)
