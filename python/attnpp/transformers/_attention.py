@@ -46,6 +46,12 @@ class KeyLayout:
         self.keys, self.is_causal, self.window = keys, is_causal, window
         self.key_padding_mask, self.cu_seqlens = key_padding_mask, cu_seqlens
 
+    @property
+    def kernel_window(self):
+        """The window as attnpp's kernel takes it, ``(window - 1, 0)`` (FlashAttention's ``window_size``), or
+        None."""
+        return None if self.window is None else (self.window - 1, 0)
+
     def __repr__(self):
         pad = None if self.key_padding_mask is None else tuple(self.key_padding_mask.shape)
         blocks = "" if self.cu_seqlens is None else f", blocks={self.cu_seqlens.numel() - 1}"
@@ -136,8 +142,7 @@ def _mask_args(module, query, key, value, attention_mask, is_causal):
         if layout.keys < key.shape[2]:  # (a static cache's unfilled end; a slice costs ~15 us of a decoding step)
             key, value = key[:, :, :layout.keys], value[:, :, :layout.keys]
         return key, value, dict(attn_mask=None, is_causal=layout.is_causal, causal_alignment="bottom_right",
-                                window=None if layout.window is None else (layout.window - 1, 0),
-                                key_padding_mask=layout.key_padding_mask)
+                                window=layout.kernel_window, key_padding_mask=layout.key_padding_mask)
     if attention_mask is None:
         causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
         return key, value, dict(attn_mask=None, is_causal=bool(causal and query.shape[2] > 1),
@@ -169,8 +174,8 @@ def _packed(query, key, value, layout, options):
     rows = lambda x: x.transpose(1, 2).reshape(B * L, x.shape[1], x.shape[3])
     out = AT.scaled_dot_product_attention_varlen(
         rows(query), rows(key), rows(value), layout.cu_seqlens, layout.cu_seqlens, options["dropout_p"],
-        is_causal=True, scale=options["scale"], window=None if layout.window is None else (layout.window - 1, 0),
-        softcap=options["softcap"], sinks=options["sinks"])
+        is_causal=True, scale=options["scale"], window=layout.kernel_window, softcap=options["softcap"],
+        sinks=options["sinks"])
     return out.view(B, L, out.shape[1], out.shape[2])
 
 
