@@ -70,6 +70,17 @@ and weights:
   peak memory beyond its inputs and with them (its shards of query, key, value and output gradient) against
   the one process's (target <= 60%), and zigzag's causal forward time against the non-causal one's (target
   <= 60%). The workers' CPU time counts as "other processes" in the header;
+- fine-tuning a Hugging Face model (issue 38, ``--cases fine-tune``): a Llama-like causal LM (hidden 768, 12
+  layers, 12 query and 4 key/value heads, its embedding tied to the output projection), random-initialised, one
+  AdamW step on sequences of random lengths filling 4 rows of 1,024 tokens, at V = 32,000 and 128,256: sdpa with
+  transformers' loss on the sequences padded (one a row, micro-batches of 4 rows) against attnpp's attention
+  alone, with the fused loss (``attnpp.transformers.apply``), and with the fused loss on the packed rows (varlen).
+  Each configuration runs in a fresh process of its own, one after another: a warm-up step, then a timed step
+  (each configuration's figures printed on stderr as they come);
+  the table's MiB is the growth of a step, its line the process's peak resident set and the ratio against issue
+  38's bounds (the packed run at most 50% of sdpa's at V = 32,000, 35% at 128,256), the tokens/s (targets 1.1
+  padded, 1.3 packed), the first step's loss on both sides, and the tensors with two dimensions of L that any op
+  of a step returned (the dense masks: none on the packed rows);
 - the distance to the limit: a float32 2048 x 2048 matrix product (sgemm) through ``torch.mm`` and ``np.matmul``,
   timed in the same run on the same threads, and the same product in bfloat16 through ``torch.mm``. Each case with
   a flop count shows attnpp's GFLOP/s (FlashAttention's count: case.attention_flops) and their share of the GEMM
@@ -117,7 +128,8 @@ What each side runs in a call:
 The package, one owner per concern: ``config`` (sizes, targets, the ``--capability`` environment), ``case`` (a
 case, its result), ``calls`` (the problems the families share: the kernel on random inputs, a layer against its
 PyTorch twin), one module per case family (``kernel``, ``causal_length``, ``variants``, ``decode_length``,
-``half``, ``fused_loss``, ``huggingface``, ``context_parallel`` with its worker processes in ``_ring``,
+``half``, ``fused_loss``, ``huggingface``, ``fine_tune``,
+``context_parallel`` with its worker processes in ``_ring``,
 ``articles``), ``registry`` (the families, in the table's order), ``peers`` (the other engines, their check),
 ``measure``, ``report``, ``results`` (the ``--json`` file) and ``cli`` (``python -m attnpp.bench``).
 No module imports this package's ``__init__``: it only gathers the names below.

@@ -25,6 +25,8 @@ class Case:
     issue: int = 14                      # the issue that set the target
     dtype: str = "float32"               # the dtype of the inputs (a name of HALVES, or float32)
     peer_problem: Optional[Callable] = None  # -> peers.Problem: the forward the peers (--against) compute, if any
+    run: Optional[Callable[[], tuple]] = None  # -> (times, calls, memory): a case measured its own way (fine-tune:
+    #                                            configurations one after another in fresh processes; build unused)
 
 
 def fmt_shape(shape):

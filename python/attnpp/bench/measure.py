@@ -76,7 +76,10 @@ def calibrate(call, min_sample, first):
 def measure(case, repeats, min_sample, peers=None):
     """Warm up each side, measure the memory of one call per side, then time the sides alternately; with ``peers``
     (a peers.Peers) and a case that has a ``peer_problem``, each peer engine that passes its check (its first call
-    is its warm-up) joins the rounds after the two sides: a, t, peer, ..., a, t, peer, ..."""
+    is its warm-up) joins the rounds after the two sides: a, t, peer, ..., a, t, peer, ... A case with its own
+    measurement (``Case.run``) runs it."""
+    if case.run is not None:
+        return Result(case, *case.run())
     sides = case.build()
     # warm-up: first-call costs (lazy initialisation, thread start, first allocations) stay out of the timings
     first = [sample(call, 1) for call in sides]

@@ -6,7 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
-from . import articles, causal_length, context_parallel, decode_length, fused_loss, half, huggingface, kernel, variants
+from . import (articles, causal_length, context_parallel, decode_length, fine_tune, fused_loss, half, huggingface,
+               kernel, variants)
 from .config import SIZES
 
 
@@ -32,6 +33,7 @@ FAMILIES = (
                                                                                   shared["float32_decode"])),
     Family("fused loss", lambda size, quick, repeats, shared: fused_loss.linear_cross_entropy_cases(size)),
     Family("transformers", lambda size, quick, repeats, shared: huggingface.transformers_cases(size, quick)),
+    Family("fine-tune", lambda size, quick, repeats, shared: fine_tune.fine_tune_cases(size, quick)),
     Family("context parallel", lambda size, quick, repeats, shared: context_parallel.context_parallel_cases(size)),
     Family("articles", lambda size, quick, repeats, shared: articles.article_cases(size, repeats)),
 )
