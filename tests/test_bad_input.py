@@ -851,6 +851,8 @@ LAYER_INIT_BAD = [
      ["out_dim", "out_proj"]),
     ("attention_alibi_shape", lambda: Attention(6, 2, alibi=np.ones(3)), ValueError, ["alibi", "(2,)", "(3,)"]),
     ("attention_alibi_int", lambda: Attention(6, 2, alibi=np.ones(2, np.int64)), TypeError, ["alibi", "int64"]),
+    ("attention_alibi_inf", lambda: Attention(6, 2, alibi=np.array([1.0, np.inf])), ValueError,
+     ["alibi", "finite"]),
     ("attention_alibi_str", lambda: Attention(6, 2, alibi="yes"), TypeError, ["alibi", "bool", "str"]),
     ("attention_alibi_nan", lambda: Attention(6, 2, alibi=np.array([1.0, np.nan])), ValueError,
      ["alibi", "finite"]),
