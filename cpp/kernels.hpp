@@ -41,10 +41,10 @@ struct Kernels {
                                  const int64_t* target, int64_t N, int64_t classes);
   void (*linear_cross_entropy)(C* losses, C* logsumexp, T* dx, T* dw, T* db, const C* row_weight, const T* x,
                                const T* w, const T* b, const int64_t* target, int64_t N, int64_t E, int64_t V,
-                               int64_t ignore_index, double label_smoothing);
+                               int64_t ignore_index, double label_smoothing, double softcap);
   void (*linear_cross_entropy_backward)(const C* logsumexp, T* dx, T* dw, T* db, const C* row_weight, const T* x,
                                         const T* w, const T* b, const int64_t* target, int64_t N, int64_t E,
-                                        int64_t V, int64_t ignore_index, double label_smoothing);
+                                        int64_t V, int64_t ignore_index, double label_smoothing, double softcap);
   void (*sgd_step)(const OptimizerSlot<T>* slots, int64_t count, double lr, double momentum, double dampening,
                    double weight_decay, bool nesterov);
   void (*adamw_step)(const OptimizerSlot<T>* slots, int64_t count, double lr, double beta1, double beta2,

@@ -5,7 +5,8 @@
 // feeds the two gradient products: the three products of the unfused pair, no more. The input gradient's product,
 // whose B operand is the weight, goes a block of the vocabulary at a time (gemm_parallel packs its B operand
 // whole: a block of the weight, at most kPackBytes, not all of it), so that memory stays one chunk of logits and
-// one such block.
+// one such block. With soft-capping (Gemma 2's final logits) the losses are those of y = c tanh(z / c), and the
+// logits' gradient takes the cap's derivative, 1 - (y / c)^2.
 #include <algorithm>
 #include <cmath>
 #include <memory>
@@ -45,6 +46,21 @@ C target_gradient(C wi, C z_target, C lse, C eps, C smooth) {
   return wi * (std::expm1(z_target - lse) + (eps - smooth));
 }
 
+// Logit soft-capping in place, y = c tanh(z / c) over n logits (Eigen's vectorized tanh); c = 0: no cap.
+template <typename C>
+void soft_cap(C* z, int64_t n, C c) {
+  if (c > 0) {
+    Eigen::Map<Eigen::Array<C, Eigen::Dynamic, 1>> a(z, n);
+    a = (a / c).tanh() * c;
+  }
+}
+
+// The cap's derivative at a capped logit y, dy/dz = 1 - (y / c)^2; 1 without a cap.
+template <typename C>
+C cap_slope(C y, C c) {
+  return c > 0 ? C(1) - (y / c) * (y / c) : C(1);
+}
+
 // Vocabulary rows per block of fused's statistics and gradient passes: a block of the chunk's logits (these rows
 // by the chunk's) stays in the L2 cache from one pass to the next.
 constexpr int64_t kStatRows = 128;
@@ -59,7 +75,7 @@ constexpr int64_t kStatRows = 128;
 // fixed order, whatever the thread count.
 template <typename C>
 void fused(C* losses, C* logsumexp, C* dx, C* dw, C* db, const C* row_weight, const C* x, const C* w, const C* b,
-           const int64_t* target, int64_t N, int64_t E, int64_t V, int64_t ignore_index, C eps) {
+           const int64_t* target, int64_t N, int64_t E, int64_t V, int64_t ignore_index, C eps, C cap) {
   namespace ei = Eigen::internal;
   using P = typename ei::packet_traits<C>::type;
   constexpr int64_t W = ei::unpacket_traits<P>::size;
@@ -103,6 +119,7 @@ void fused(C* losses, C* logsumexp, C* dx, C* dw, C* db, const C* row_weight, co
         C* z = zt.get() + v * ld;
         if (b)
           for (int64_t r = 0; r < ld; ++r) z[r] += b[v];
+        soft_cap(z, ld, cap);
         for (int64_t r = 0; r < ld; ++r) m[r] = std::max(m[r], z[r]);
         if (zs)
           for (int64_t r = 0; r < ld; ++r) zs[r] += double(z[r]);
@@ -111,7 +128,7 @@ void fused(C* losses, C* logsumexp, C* dx, C* dw, C* db, const C* row_weight, co
         const int64_t t = target[r0 + r];
         if (t != ignore_index && t >= v0 && t < v1) z_target[r] = zt[t * ld + r];
       }
-      const bool keep = row_weight != nullptr;
+      const bool keep = row_weight != nullptr && !(cap > 0);  // (capped: (3) needs the logits, not their terms)
       for (int64_t v = v0; v < v1; ++v) {
         C* z = zt.get() + v * ld;
         C* e = keep ? z : nullptr;
@@ -151,14 +168,29 @@ void fused(C* losses, C* logsumexp, C* dx, C* dw, C* db, const C* row_weight, co
       for (int64_t r = 0; r < ld; ++r)
         factor[r] = weight[r] != C(0) ? C(weight[r] * std::exp(double(block_max[bl * ld + r] - row_max[r])) / sum[r])
                                       : C(0);
-      for (int64_t v = v0; v < v1; ++v) {
-        C* z = zt.get() + v * ld;
-        for (int64_t r = 0; r < ld; ++r) z[r] = weight[r] != C(0) ? z[r] * factor[r] - offset[r] : C(0);
+      if (cap > 0) {  // z holds the capped logits y: dz = (exp(y - m_b) factor - offset) (1 - (y / c)^2)
+        const C* m = block_max.data() + bl * ld;
+        for (int64_t v = v0; v < v1; ++v) {
+          C* z = zt.get() + v * ld;
+          for (int64_t r = 0; r < ld; r += W) {
+            const P y = ei::ploadu<P>(z + r), e = exp_nonpositive(ei::psub(y, ei::ploadu<P>(m + r)));
+            const P u = ei::pdiv(y, ei::pset1<P>(cap));
+            const P dy = ei::psub(ei::pmul(e, ei::ploadu<P>(factor.data() + r)), ei::ploadu<P>(offset.data() + r));
+            ei::pstoreu(z + r, ei::pmul(dy, ei::psub(ei::pset1<P>(C(1)), ei::pmul(u, u))));
+          }
+          for (int64_t r = 0; r < ld; ++r)
+            if (weight[r] == C(0)) z[r] = C(0);
+        }
+      } else {
+        for (int64_t v = v0; v < v1; ++v) {
+          C* z = zt.get() + v * ld;
+          for (int64_t r = 0; r < ld; ++r) z[r] = weight[r] != C(0) ? z[r] * factor[r] - offset[r] : C(0);
+        }
       }
       for (int64_t r = 0; r < R; ++r) {
         const int64_t t = target[r0 + r];
         if (weight[r] != C(0) && t >= v0 && t < v1)
-          zt[t * ld + r] = target_gradient(weight[r], z_target[r], lse[r], eps, smooth);
+          zt[t * ld + r] = target_gradient(weight[r], z_target[r], lse[r], eps, smooth) * cap_slope(z_target[r], cap);
       }
       if (db)
         for (int64_t v = v0; v < v1; ++v) {
@@ -232,7 +264,8 @@ void times_wt_rows(C* out, const C* z, const PackedB<C>& wt, int64_t j0, int64_t
 
 template <typename C>
 void fused_narrow(C* losses, C* logsumexp, C* dx, C* dw, C* db, const C* row_weight, const C* x, const C* w,
-                  const C* b, const int64_t* target, int64_t N, int64_t E, int64_t V, int64_t ignore_index, C eps) {
+                  const C* b, const int64_t* target, int64_t N, int64_t E, int64_t V, int64_t ignore_index, C eps,
+                  C cap) {
   const int64_t blocks = ceil_div(V, kVocabBlock);
   const C smooth = eps / C(V);
   PackedB<C> wt;  // w^T (E, V), packed by the blocks of (1) in the first chunk
@@ -267,6 +300,7 @@ void fused_narrow(C* losses, C* logsumexp, C* dx, C* dw, C* db, const C* row_wei
             C* zr = zb + r * kBlockStride;
             if (b)
               for (int64_t j = 0; j < width; ++j) zr[j] += b[j0 + j];
+            soft_cap(zr, width, cap);
             const int64_t t = target[r0 + r] - j0;
             if (t >= 0 && t < width && target[r0 + r] != ignore_index) z_target[r] = zr[t];
             if (!block_zsum.empty()) {  // (label smoothing's mean of the logits)
@@ -276,7 +310,8 @@ void fused_narrow(C* losses, C* logsumexp, C* dx, C* dw, C* db, const C* row_wei
             }
             const C m = Eigen::Map<const Eigen::Array<C, Eigen::Dynamic, 1>>(zr, width).maxCoeff();
             block_max[bl * R + r] = m;
-            block_sum[bl * R + r] = sum_exp_shifted(zr, width, m, weight[r] != C(0) ? zr : nullptr);
+            // (the terms kept in place for (3), but under a cap, whose derivative needs the logits)
+            block_sum[bl * R + r] = sum_exp_shifted(zr, width, m, weight[r] != C(0) && !(cap > 0) ? zr : nullptr);
           }
         });
     // (2) each row's log-sum-exp and loss, the blocks' figures taken in order
@@ -316,9 +351,16 @@ void fused_narrow(C* losses, C* logsumexp, C* dx, C* dw, C* db, const C* row_wei
             }
             // softmax(z)_j = exp(z_j - m_b) exp(m_b - m) / sum
             const C factor = C(std::exp(double(block_max[bl * R + r] - row_max[r])) / sum[r]);
-            for (int64_t j = 0; j < width; ++j) zr[j] = wi * (zr[j] * factor - smooth);
+            if (cap > 0) {  // zr holds the capped logits y
+              const C mb = block_max[bl * R + r];
+              for (int64_t j = 0; j < width; ++j)
+                zr[j] = wi * (std::exp(zr[j] - mb) * factor - smooth) * cap_slope(zr[j], cap);
+            } else {
+              for (int64_t j = 0; j < width; ++j) zr[j] = wi * (zr[j] * factor - smooth);
+            }
             const int64_t t = target[r0 + r] - j0;
-            if (t >= 0 && t < width) zr[t] = target_gradient(wi, z_target[r], lse[r], eps, smooth);
+            if (t >= 0 && t < width)
+              zr[t] = target_gradient(wi, z_target[r], lse[r], eps, smooth) * cap_slope(z_target[r], cap);
           }
           // dw[j0 + j] += sum_r dz[r, j] x[r]: dw^T (E, width) = x^T dz, added transposed
           thread_local std::vector<C> dwt;
@@ -348,30 +390,31 @@ std::unique_ptr<compute_t<T>[]> zeros(bool want, int64_t n) {
 // fused_narrow for a narrow E, else fused.
 template <typename C>
 void run(C* losses, C* logsumexp, C* dx, C* dw, C* db, const C* row_weight, const C* x, const C* w, const C* b,
-         const int64_t* target, int64_t N, int64_t E, int64_t V, int64_t ignore_index, C eps) {
+         const int64_t* target, int64_t N, int64_t E, int64_t V, int64_t ignore_index, C eps, C cap) {
   if (E < gemm_detail::Vec<C>::width)
-    fused_narrow(losses, logsumexp, dx, dw, db, row_weight, x, w, b, target, N, E, V, ignore_index, eps);
+    fused_narrow(losses, logsumexp, dx, dw, db, row_weight, x, w, b, target, N, E, V, ignore_index, eps, cap);
   else
-    fused(losses, logsumexp, dx, dw, db, row_weight, x, w, b, target, N, E, V, ignore_index, eps);
+    fused(losses, logsumexp, dx, dw, db, row_weight, x, w, b, target, N, E, V, ignore_index, eps, cap);
 }
 
 // Both entries: losses (N) written, or nullptr to read logsumexp (the backward's recompute from it).
 template <typename T>
 void compute(compute_t<T>* losses, compute_t<T>* logsumexp, T* dx, T* dw, T* db, const compute_t<T>* row_weight,
              const T* x, const T* w, const T* b, const int64_t* target, int64_t N, int64_t E, int64_t V,
-             int64_t ignore_index, double label_smoothing) {
+             int64_t ignore_index, double label_smoothing, double softcap) {
   using C = compute_t<T>;
   if constexpr (is_half<T>) {  // in float on float copies, each gradient added (and rounded) once
     const auto xc = converted(x, N * E), wc = converted(w, V * E), bc = converted(b, V);
     const bool grads = row_weight != nullptr;
     const auto dxc = zeros<T>(grads && dx, N * E), dwc = zeros<T>(grads, V * E), dbc = zeros<T>(grads && db, V);
     run<C>(losses, logsumexp, dxc.get(), dwc.get(), dbc.get(), row_weight, xc.get(), wc.get(), bc.get(), target,
-           N, E, V, ignore_index, C(label_smoothing));
+           N, E, V, ignore_index, C(label_smoothing), C(softcap));
     if (dxc) add_rounded(dx, dxc.get(), N * E);
     if (dwc) add_rounded(dw, dwc.get(), V * E);
     if (dbc) add_rounded(db, dbc.get(), V);
   } else {
-    run<C>(losses, logsumexp, dx, dw, db, row_weight, x, w, b, target, N, E, V, ignore_index, C(label_smoothing));
+    run<C>(losses, logsumexp, dx, dw, db, row_weight, x, w, b, target, N, E, V, ignore_index, C(label_smoothing),
+           C(softcap));
   }
 }
 
@@ -380,27 +423,29 @@ void compute(compute_t<T>* losses, compute_t<T>* logsumexp, T* dx, T* dw, T* db,
 template <typename T>
 void linear_cross_entropy(compute_t<T>* losses, compute_t<T>* logsumexp, T* dx, T* dw, T* db,
                           const compute_t<T>* row_weight, const T* x, const T* w, const T* b, const int64_t* target,
-                          int64_t N, int64_t E, int64_t V, int64_t ignore_index, double label_smoothing) {
-  compute<T>(losses, logsumexp, dx, dw, db, row_weight, x, w, b, target, N, E, V, ignore_index, label_smoothing);
+                          int64_t N, int64_t E, int64_t V, int64_t ignore_index, double label_smoothing,
+                          double softcap) {
+  compute<T>(losses, logsumexp, dx, dw, db, row_weight, x, w, b, target, N, E, V, ignore_index, label_smoothing,
+             softcap);
 }
 
 template <typename T>
 void linear_cross_entropy_backward(const compute_t<T>* logsumexp, T* dx, T* dw, T* db,
                                    const compute_t<T>* row_weight, const T* x, const T* w, const T* b,
                                    const int64_t* target, int64_t N, int64_t E, int64_t V, int64_t ignore_index,
-                                   double label_smoothing) {
+                                   double label_smoothing, double softcap) {
   // (without losses the kernels only read logsumexp: the const_cast writes nothing)
   compute<T>(nullptr, const_cast<compute_t<T>*>(logsumexp), dx, dw, db, row_weight, x, w, b, target, N, E, V,
-             ignore_index, label_smoothing);
+             ignore_index, label_smoothing, softcap);
 }
 
 #define INSTANTIATE(T)                                                                                          \
   template void linear_cross_entropy<T>(compute_t<T>*, compute_t<T>*, T*, T*, T*, const compute_t<T>*, const T*, \
                                         const T*, const T*, const int64_t*, int64_t, int64_t, int64_t, int64_t,  \
-                                        double);                                                                 \
+                                        double, double);                                                         \
   template void linear_cross_entropy_backward<T>(const compute_t<T>*, T*, T*, T*, const compute_t<T>*, const T*,  \
                                                  const T*, const T*, const int64_t*, int64_t, int64_t, int64_t,   \
-                                                 int64_t, double);
+                                                 int64_t, double, double);
 ATTNPP_FOR_ALL_DTYPES(INSTANTIATE)
 
 }  // namespace attnpp::ATTNPP_CPU_NS

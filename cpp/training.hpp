@@ -41,17 +41,19 @@ void cross_entropy_backward(T* dinput, const compute_t<T>* row_weight, const com
 // in [0, V) or ignore_index. The forward writes each row's loss (N) (0 where ignored) and logsumexp (N) (the
 // compute type); with row_weight (N) (dloss / dloss_i; nullptr: none), it also accumulates the gradients dx
 // (N, E) (skipped when nullptr), dw (V, E) and db (V) (skipped when nullptr) in the same pass over the chunks.
+// softcap > 0: the logits soft-capped first, softcap * tanh(z / softcap) (Gemma 2's final logits); 0: not.
 template <typename T>
 void linear_cross_entropy(compute_t<T>* losses, compute_t<T>* logsumexp, T* dx, T* dw, T* db,
                           const compute_t<T>* row_weight, const T* x, const T* w, const T* b, const int64_t* target,
-                          int64_t N, int64_t E, int64_t V, int64_t ignore_index, double label_smoothing);
+                          int64_t N, int64_t E, int64_t V, int64_t ignore_index, double label_smoothing,
+                          double softcap);
 // The backward: each chunk's logits recomputed from the forward's logsumexp (N), the gradients weighted by
 // row_weight (N) accumulated into dx (N, E) (skipped when nullptr), dw (V, E) and db (V) (skipped when nullptr).
 template <typename T>
 void linear_cross_entropy_backward(const compute_t<T>* logsumexp, T* dx, T* dw, T* db,
                                    const compute_t<T>* row_weight, const T* x, const T* w, const T* b,
                                    const int64_t* target, int64_t N, int64_t E, int64_t V, int64_t ignore_index,
-                                   double label_smoothing);
+                                   double label_smoothing, double softcap);
 
 // SGD with momentum, dampening, weight decay and Nesterov, as torch.optim.SGD (the momentum buffer starts as the
 // gradient on its first step).

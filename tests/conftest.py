@@ -29,6 +29,17 @@ def rng():
     return np.random.default_rng(1234)
 
 
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """PyTorch on one thread for a module of tiny models (the transformers tests): as fast on a quiet host, and on
+    a busy one far faster (its threads wait for one another at every small op: a Trainer step 20 times slower)."""
+    import torch
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def pytest_terminal_summary(terminalreporter):
     import attnpp
     helpers = sys.modules.get("helpers")  # imported by the tests that record parity errors and examples

@@ -8,6 +8,9 @@ from conftest, which holds pytest's fixtures, hooks and hypothesis settings only
 - small PyTorch references of the tests: ``T`` (a tensor copy of an array), ``torch_kw``, ``torch_sdpa``
   (PyTorch's scaled_dot_product_attention and its gradients), ``make_mha`` (a torch.nn.MultiheadAttention and
   attnpp's holding the same weights);
+- Hugging Face models of the transformers tests: ``HF_NAMES`` (the architectures), ``hf_config``, ``hf_model``
+  (small random-initialised configurations; transformers imported only when they are called), ``hf_bound`` (the
+  bound of their float32 comparisons);
 - re-exported from ``attnpp.testing`` (the PyTorch references the tests share with the benchmark and the
   notebooks): the attention math from its definitions (``reference``, ``attention_layer_reference``) and the
   articles' PyTorch classes.
@@ -134,3 +137,60 @@ def make_mha(dtype, seed=0, std=None, training=True, **options):
     mha.load_state_dict(ref.state_dict())
     assert list(mha.state_dict()) == list(ref.state_dict())
     return mha.train(training), ref
+
+
+# ------------------------------------------------------------------------------------------ Hugging Face models
+HF_BASE = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+               num_key_value_heads=2, max_position_embeddings=128)
+HF_WINDOW = 5  # shorter than the batches' 16 tokens: the windowed layers hide keys
+HF_NAMES = ["llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "gpt_oss", "phi3", "gpt2", "smollm3", "olmo2"]
+HF_NO_FLOAT64 = {"gpt_oss"}  # its experts' grouped matmul takes float32 and the halves only
+
+
+def hf_config(name):
+    """A small configuration of the architecture ``name`` (of ``HF_NAMES``): windows of ``HF_WINDOW`` tokens,
+    Gemma 2's soft-capping (50 on the scores, 30 on the logits, its defaults), gpt-oss's sinks and experts."""
+    import transformers as tf
+    base, window = HF_BASE, HF_WINDOW
+    return {
+        "llama": lambda: tf.LlamaConfig(**base),
+        "mistral": lambda: tf.MistralConfig(**base, sliding_window=window),
+        "qwen2": lambda: tf.Qwen2Config(**base, use_sliding_window=True, sliding_window=window, max_window_layers=1),
+        "qwen3": lambda: tf.Qwen3Config(**base, use_sliding_window=True, sliding_window=window, max_window_layers=1),
+        "gemma2": lambda: tf.Gemma2Config(**base, sliding_window=window, head_dim=16),
+        "gemma3": lambda: tf.Gemma3TextConfig(**base, sliding_window=window, head_dim=16),
+        "gpt_oss": lambda: tf.GptOssConfig(**base, sliding_window=window, head_dim=16, num_local_experts=4,
+                                           num_experts_per_tok=2),
+        "phi3": lambda: tf.Phi3Config(**base, sliding_window=window, pad_token_id=0),
+        "gpt2": lambda: tf.GPT2Config(vocab_size=128, n_embd=64, n_layer=2, n_head=4, n_positions=128),
+        "smollm3": lambda: tf.SmolLM3Config(**base, pad_token_id=0),
+        "olmo2": lambda: tf.Olmo2Config(**base),
+    }[name]()
+
+
+def hf_model(name, impl, dtype=torch.float32, weights=None, config=None, **overrides):
+    """The model ``name`` with attention ``impl`` in ``dtype``, in eval mode; the weights of ``weights`` (a
+    model) or seed 0's; ``config`` (default ``hf_config(name)``) with ``overrides`` set. (from_config sets the
+    config's implementation: each model gets its own copy.)"""
+    import copy
+
+    import transformers as tf
+    cfg = copy.deepcopy(config) if config is not None else hf_config(name)
+    for key, value in overrides.items():
+        setattr(cfg, key, value)
+    torch.manual_seed(0)
+    model = tf.AutoModelForCausalLM.from_config(cfg, attn_implementation=impl, dtype=dtype)
+    if weights is not None:
+        model.load_state_dict(weights.state_dict())
+    return model.eval()
+
+
+def hf_bound(plain, float64):
+    """The bound of a float32 comparison with ``plain`` (a model's float32 values): twice their error against
+    ``float64`` (the float64 values of the same weights), at least float32's epsilon of the largest value (an
+    error measured on a few numbers, a loss, a weight near 1, can be 0 by chance: their own rounding is the least);
+    1e-4 of the largest value without a float64 reference (``float64`` None: gpt-oss's experts)."""
+    scale = plain.abs().max().item()
+    if float64 is None:
+        return 1e-4 * scale
+    return max(2 * (plain - float64).abs().max().item(), torch.finfo(torch.float32).eps * scale)

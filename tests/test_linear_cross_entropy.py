@@ -29,12 +29,15 @@ def max_rel(ours, ref):
     return float(np.max(np.abs(ours - ref) / np.maximum(1.0, np.abs(ref)), initial=0.0))
 
 
-def torch_reference(x, w, t, b, grad_output, **kw):
-    """PyTorch's loss and (input, weight, bias) gradients in float64, for grad_output."""
+def torch_reference(x, w, t, b, grad_output, softcap=None, **kw):
+    """PyTorch's loss and (input, weight, bias) gradients in float64, for grad_output; the logits soft-capped
+    (softcap * tanh(logits / softcap)) with softcap."""
     tx, tw = torch.tensor(x, dtype=torch.float64, requires_grad=True), torch.tensor(w, dtype=torch.float64,
                                                                                       requires_grad=True)
     tb = None if b is None else torch.tensor(b, dtype=torch.float64, requires_grad=True)
     logits = torch.nn.functional.linear(tx, tw, tb)
+    if softcap is not None:
+        logits = softcap * torch.tanh(logits / softcap)
     loss = torch.nn.functional.cross_entropy(logits.reshape(-1, w.shape[0]), torch.tensor(t).reshape(-1), **kw)
     if kw.get("reduction") == "none":
         loss = loss.reshape(t.shape)
@@ -72,6 +75,27 @@ def test_matches_torch(rng, dtype, shape, V, reduction, label_smoothing, in_forw
         if r is not None:
             assert o.dtype == dtype and o.shape == r.shape, name
             assert max_rel(o, r) <= TOL[dtype], name
+
+
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+@pytest.mark.parametrize("shape, V", [((4, 7, 16), 300), ((37, 16), 1000), ((200, 5), 3000)], ids=str)
+@pytest.mark.parametrize("label_smoothing", [0.0, 0.1])
+@pytest.mark.parametrize("in_forward", [True, False], ids=["grads_in_forward", "recomputed"])
+def test_softcap_matches_torch(rng, dtype, shape, V, label_smoothing, in_forward):
+    """Soft-capped logits (Gemma 2's final_logit_softcapping): the loss of softcap * tanh(z / softcap) and its
+    gradients, through the cap's derivative, on the wide path (vocabulary rows in blocks of 128) and the narrow
+    one (blocks of 1,024 columns); a cap of 2 on logits of about +-5 saturates many of them."""
+    x, w, t, b = case_arrays(rng, shape, V, dtype)
+    x *= 3
+    kw = dict(reduction="mean", label_smoothing=label_smoothing)
+    loss, grads = torch_reference(x, w, t, b, np.float64(0.7), softcap=2.0, **kw)
+    assert max_rel(loss, torch_reference(x, w, t, b, 1.0, **kw)[0]) > 1e-2  # the cap changes the loss
+    fwd = AF.linear_cross_entropy_forward(x, w, t, b, compute_grads=in_forward, softcap=2.0, **kw)
+    ours = AF.linear_cross_entropy_backward(dtype(0.7), x, w, t, fwd.logsumexp, b, grads=fwd.grads, softcap=2.0,
+                                            **kw)
+    assert max_rel(fwd.loss, loss) <= TOL[dtype]
+    for name, o, r in zip(("input", "weight", "bias"), ours, grads):
+        assert max_rel(o, r) <= TOL[dtype], name
 
 
 def test_every_target_ignored_gives_nan_mean_and_zero_grads(rng):
@@ -114,18 +138,21 @@ def test_half_precision_error_at_most_torchs(rng, dtype):
         assert err_ours <= 1.5 * err_theirs
 
 
-def test_torch_function_matches_and_gradchecks(rng):
+@pytest.mark.parametrize("softcap", [None, 1.5])
+def test_torch_function_matches_and_gradchecks(rng, softcap):
     x, w, t, b = case_arrays(rng, (3, 5, 6), 11, np.float64)
     leaves = [torch.tensor(a, requires_grad=True) for a in (x, w, b)]
     target = torch.tensor(t)
     for reduction in ("mean", "sum", "none"):
         kw = dict(reduction=reduction, label_smoothing=0.2)
-        loss = AT.linear_cross_entropy(leaves[0], leaves[1], target, leaves[2], **kw)
-        ref = torch.nn.functional.cross_entropy(torch.nn.functional.linear(*leaves).reshape(-1, 11),
-                                                target.reshape(-1), **kw)
+        loss = AT.linear_cross_entropy(leaves[0], leaves[1], target, leaves[2], softcap=softcap, **kw)
+        logits = torch.nn.functional.linear(*leaves)
+        if softcap is not None:
+            logits = softcap * torch.tanh(logits / softcap)
+        ref = torch.nn.functional.cross_entropy(logits.reshape(-1, 11), target.reshape(-1), **kw)
         assert torch.allclose(loss, ref.reshape(loss.shape), rtol=0, atol=1e-12)
-        assert torch.autograd.gradcheck(lambda *a: AT.linear_cross_entropy(a[0], a[1], target, a[2], **kw),
-                                        tuple(leaves))
+        assert torch.autograd.gradcheck(
+            lambda *a: AT.linear_cross_entropy(a[0], a[1], target, a[2], softcap=softcap, **kw), tuple(leaves))
 
 
 def test_layer_forward_backward_and_no_grad(rng):

@@ -351,7 +351,7 @@ BAD = [
     ("backward_P_too_small", _rope_b(position_offset=9), ValueError, ["10 positions", "position_offset 9"]),
     ("backward_offset_shape", _rope_b(position_offset=np.array([1])), ValueError, ["position_offset", "(1,)"]),
     ("tables_odd", lambda: AF.rotary_tables(8, 5), ValueError, ["rotary_dim", "even", "5"]),
-    ("tables_zero_dim", lambda: AF.rotary_tables(8, 0), ValueError, ["rotary_dim", ">= 1", "0"]),
+    ("tables_zero_dim", lambda: AF.rotary_tables(8, 0), ValueError, ["rotary_dim", ">= 2", "0"]),
     ("tables_negative_P", lambda: AF.rotary_tables(-1, 4), ValueError, ["max_positions", ">= 0", "-1"]),
     ("tables_float_P", lambda: AF.rotary_tables(8.0, 4), TypeError, ["max_positions", "float"]),
     ("tables_base_zero", lambda: AF.rotary_tables(8, 4, base=0.0), ValueError, ["base", "> 0", "0.0"]),

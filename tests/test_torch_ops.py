@@ -178,12 +178,24 @@ def _op_cases():
     cases += [("linear", _ops.linear, [x, w, b]), ("linear_nobias", _ops.linear, [x, w, None]),
               ("linear_backward", _ops.linear_backward, [torch.randn(3, 7, 5), x, w, True, True])]
     x, w, t = torch.randn(6, 4, dtype=f64), torch.randn(11, 4, dtype=f64), torch.tensor([0, 3, -100, 10, 2, 3])
-    for reduction in ("mean", "sum", "none"):
-        args = [x, w, t, torch.randn(11, dtype=f64), -100, reduction, 0.1, True]
+    for reduction, softcap in (("mean", 0.0), ("sum", 0.0), ("none", 0.0), ("mean", 3.0)):
+        args = [x, w, t, torch.randn(11, dtype=f64), -100, reduction, 0.1, softcap, True]
         loss, lse, *_ = _ops.linear_cross_entropy_forward(*args)
-        cases += [(f"linear_cross_entropy_forward-{reduction}", _ops.linear_cross_entropy_forward, args),
-                  (f"linear_cross_entropy_backward-{reduction}", _ops.linear_cross_entropy_backward,
-                   [torch.randn_like(loss), x, w, t, lse] + args[3:7])]
+        cap = "-softcap" if softcap else ""
+        cases += [(f"linear_cross_entropy_forward-{reduction}{cap}", _ops.linear_cross_entropy_forward, args),
+                  (f"linear_cross_entropy_backward-{reduction}{cap}", _ops.linear_cross_entropy_backward,
+                   [torch.randn_like(loss), x, w, t, lse] + args[3:8])]
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(11, h, 8, dtype=f64, generator=g) for h in (4, 2, 2))
+    cu = torch.tensor([0, 4, 4, 11])
+    for name, extra in (("plain", [None, None, 0.0, True, None, None, "top_left", None, None]),
+                        ("variants", [torch.randn(4, dtype=f64, generator=g), None, 0.0, True, 0.5, None,
+                                      "bottom_right", [2, 0], 5.0])):
+        args = [q, k, v, cu, cu] + extra
+        out, lse = _ops.sdpa_varlen_forward(*args)
+        cases += [(f"sdpa_varlen_forward-{name}", _ops.sdpa_varlen_forward, args),
+                  (f"sdpa_varlen_backward-{name}", _ops.sdpa_varlen_backward,
+                   [torch.randn_like(out), q, k, v, out, lse] + args[3:])]
     h = torch.randn(2, 3, 7, 8, dtype=f64)
     cases += [("rotary_embedding", _ops.rotary_embedding, [h, 6, 10000.0, False, 3]),
               ("rotary_embedding_interleaved", _ops.rotary_embedding, [h[:, :, 1:], 8, 500.0, True, 0]),
@@ -193,7 +205,7 @@ def _op_cases():
 
 OP_CASES = _op_cases()
 DIFFERENTIABLE = {"sdpa_forward": (0, 1, 2, 4), "linear": (0, 1, 2), "linear_cross_entropy_forward": (0, 1, 3),
-                  "rotary_embedding": (0,)}
+                  "rotary_embedding": (0,), "sdpa_varlen_forward": (0, 1, 2, 5)}
 
 
 @pytest.mark.parametrize("name, op, args", OP_CASES, ids=[c[0] for c in OP_CASES])
@@ -276,10 +288,12 @@ def test_compile_fullgraph_transformers_model_matches_eager():
     # key_padding_mask, the causal mask as attnpp's flag): traced whole, no graph break
     pytest.importorskip("transformers")
     import attnpp.transformers  # noqa: F401 (registers "attnpp")
-    from test_transformers import batch, make
+    from helpers import hf_model
     torch._dynamo.reset()
-    model = make("llama", "attnpp")
-    ids, mask, _ = batch("left")
+    model = hf_model("llama", "attnpp")
+    ids = torch.randint(1, 128, (2, 16), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones(2, 16, dtype=torch.long)
+    mask[0, :5] = 0
     with torch.no_grad():
         eager = model(input_ids=ids, attention_mask=mask).logits
         compiled = torch.compile(model, fullgraph=True, backend="aot_eager")(input_ids=ids, attention_mask=mask)
@@ -451,6 +465,22 @@ def test_attention_scalars_refused_as_functional_refuses_them(name, value, exc, 
     assert str(ours.value) == str(plain.value)
 
 
+@pytest.mark.parametrize("name, value, exc", _scalar_cases("functional.scaled_dot_product_attention_varlen"))
+def test_varlen_scalars_refused_as_functional_refuses_them(name, value, exc):
+    """The same for the varlen operator's scalars."""
+    import attnpp.functional as AF
+    g = torch.Generator().manual_seed(2)
+    q, k, v = (torch.randn(7, 2, 4, dtype=f64, generator=g).requires_grad_() for _ in range(3))
+    cu = torch.tensor([0, 3, 7])
+    with pytest.raises(exc) as plain:
+        AF.scaled_dot_product_attention_varlen(q.detach().numpy(), k.detach().numpy(), v.detach().numpy(),
+                                               cu.numpy(), cu.numpy(), **{name: value})
+    with pytest.raises(exc) as ours:
+        at.scaled_dot_product_attention_varlen(q, k, v, cu, cu, **{name: value})
+    assert isinstance(ours.value, (at.TorchValueError, at.TorchTypeError))
+    assert str(ours.value) == str(plain.value)
+
+
 @pytest.mark.parametrize("name, value, exc", _scalar_cases("functional.linear_cross_entropy"))
 def test_linear_cross_entropy_scalars_refused_as_functional_refuses_them(name, value, exc):
     """The same for linear_cross_entropy's ignore_index, reduction and label_smoothing (the schema took True for
@@ -463,3 +493,35 @@ def test_linear_cross_entropy_scalars_refused_as_functional_refuses_them(name, v
     with pytest.raises(exc) as ours:
         at.linear_cross_entropy(x, w, target, **{name: value})
     assert str(ours.value) == str(plain.value)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, f64])
+def test_varlen_equals_each_sequence_alone(dtype):
+    """scaled_dot_product_attention_varlen over packed sequences (an empty one included; GQA, causal): the output
+    and the gradients of query, key and value equal PyTorch's scaled_dot_product_attention of each sequence
+    alone."""
+    g = torch.Generator().manual_seed(4)
+    lengths = [5, 0, 9, 2]
+    q, k, v = (torch.randn(16, h, 8, dtype=dtype, generator=g).requires_grad_() for h in (4, 2, 2))
+    cu = torch.tensor([0, 5, 5, 14, 16])
+
+    def alone(q, k, v):
+        heads = lambda x, a, b: x[a:b].transpose(0, 1)[None]
+        outs = [TF.scaled_dot_product_attention(heads(q, a, b), heads(k, a, b), heads(v, a, b), is_causal=True,
+                                                enable_gqa=True)[0].transpose(0, 1)
+                for a, b in zip(cu[:-1].tolist(), cu[1:].tolist()) if b > a]
+        return torch.cat(outs)
+    assert sum(lengths) == 16
+    assert_same_as_torch(lambda q, k, v: at.scaled_dot_product_attention_varlen(q, k, v, cu, cu, is_causal=True),
+                         alone, [q, k, v], "varlen")
+
+
+def test_varlen_gradcheck_with_variants():
+    """Window, soft-capping and sinks (with their gradient) through the varlen operator: finite differences."""
+    g = torch.Generator().manual_seed(6)
+    q, k, v = (torch.randn(7, h, 4, dtype=f64, generator=g).requires_grad_() for h in (2, 1, 1))
+    sinks = torch.randn(2, dtype=f64, generator=g).requires_grad_()
+    cu = torch.tensor([0, 3, 7])
+    f = lambda q, k, v, s: at.scaled_dot_product_attention_varlen(q, k, v, cu, cu, is_causal=True, window=(1, 0),
+                                                                  softcap=2.0, sinks=s)
+    assert gradcheck(f, (q, k, v, sinks))

@@ -1,13 +1,14 @@
-"""attn_implementation="attnpp" in Hugging Face transformers models, against transformers' own eager attention.
+"""attn_implementation="attnpp" in Hugging Face transformers models, against transformers' own eager attention
+(training with the fused loss, packed sequences and chunks: tests/test_transformers_training.py).
 
 Random-initialised small configurations of each architecture (``from_config``, no download). The bound of a
 float32 comparison is twice eager's own float32 error: twice the largest difference between eager in float32 and
-a float64 reference of the same weights (gpt-oss's experts run in no float64: 1e-4 of the largest value). The
+a float64 reference of the same weights, at least float32's epsilon of the largest value (``helpers.hf_bound``;
+gpt-oss's experts run in no float64: 1e-4 of the largest value). The
 float64 reference of a padded batch is each sequence run alone without padding (its real tokens at the same
 positions): eager's float64 mask (finfo.min added to the scores) overflows to -inf on the fully padded query
 rows of a left-padded batch, whose NaN then reaches every row of that sequence.
 """
-import copy
 import datetime
 import os
 import socket
@@ -19,39 +20,10 @@ import transformers as tf
 from transformers import AttentionInterface
 
 import attnpp.transformers as AT
+from helpers import HF_NAMES, HF_NO_FLOAT64, hf_bound, hf_model
 
-BASE = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, max_position_embeddings=128)
-WINDOW = 5  # shorter than the batches' 16 tokens: the windowed layers hide keys
-CONFIGS = {
-    "llama": lambda: tf.LlamaConfig(**BASE),
-    "mistral": lambda: tf.MistralConfig(**BASE, sliding_window=WINDOW),
-    "qwen2": lambda: tf.Qwen2Config(**BASE, use_sliding_window=True, sliding_window=WINDOW, max_window_layers=1),
-    "qwen3": lambda: tf.Qwen3Config(**BASE, use_sliding_window=True, sliding_window=WINDOW, max_window_layers=1),
-    "gemma2": lambda: tf.Gemma2Config(**BASE, sliding_window=WINDOW, head_dim=16),  # softcap 50 by default
-    "gemma3": lambda: tf.Gemma3TextConfig(**BASE, sliding_window=WINDOW, head_dim=16),
-    "gpt_oss": lambda: tf.GptOssConfig(**BASE, sliding_window=WINDOW, head_dim=16, num_local_experts=4,
-                                       num_experts_per_tok=2),  # sinks
-    "phi3": lambda: tf.Phi3Config(**BASE, sliding_window=WINDOW, pad_token_id=0),
-    "gpt2": lambda: tf.GPT2Config(vocab_size=128, n_embd=64, n_layer=2, n_head=4, n_positions=128),
-    "smollm3": lambda: tf.SmolLM3Config(**BASE, pad_token_id=0),
-    "olmo2": lambda: tf.Olmo2Config(**BASE),
-}
-NO_FLOAT64 = {"gpt_oss"}  # its experts' grouped matmul takes float32 and the halves only
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 T = 16
-
-
-def make(name, impl, dtype=torch.float32, weights=None, **overrides):
-    """The model ``name`` with attention ``impl`` in ``dtype``, in eval mode; the weights of ``weights`` (a
-    model) or seed 0's. (from_config sets the config's implementation: each model gets its own copy.)"""
-    cfg = CONFIGS[name]()
-    for key, value in overrides.items():
-        setattr(cfg, key, value)
-    torch.manual_seed(0)
-    model = tf.AutoModelForCausalLM.from_config(copy.deepcopy(cfg), attn_implementation=impl, dtype=dtype)
-    if weights is not None:
-        model.load_state_dict(weights.state_dict())
-    return model.eval()
 
 
 def batch(padding):
@@ -76,37 +48,30 @@ def real_logits(model, ids, mask, position_ids):
 
 def reference_logits(name, weights, ids, mask):
     """float64 eager logits of each sequence alone, unpadded, in real_logits' order; None without float64."""
-    if name in NO_FLOAT64:
+    if name in HF_NO_FLOAT64:
         return None
-    ref = make(name, "eager", torch.float64, weights)
+    ref = hf_model(name, "eager", torch.float64, weights)
     with torch.no_grad():
         return torch.cat([ref(ids[b][mask[b].bool()][None]).logits[0] for b in range(ids.shape[0])])
 
 
-def bound(name, eager, reference):
-    """Twice eager's float32 error, or 1e-4 of the largest value without a float64 reference."""
-    if reference is None:
-        return 1e-4 * eager.abs().max().item()
-    return 2 * (eager - reference).abs().max().item()
-
-
 @pytest.mark.parametrize("padding", ["left", "right"])
-@pytest.mark.parametrize("name", CONFIGS)
+@pytest.mark.parametrize("name", HF_NAMES)
 def test_logits_equal_eager(name, padding):
     ids, mask, pos = batch(padding)
-    attnpp = make(name, "attnpp")
-    eager = make(name, "eager", weights=attnpp)
+    attnpp = hf_model(name, "attnpp")
+    eager = hf_model(name, "eager", weights=attnpp)
     got, want = real_logits(attnpp, ids, mask, pos), real_logits(eager, ids, mask, pos)
-    limit = bound(name, want, reference_logits(name, attnpp, ids, mask))
+    limit = hf_bound(want, reference_logits(name, attnpp, ids, mask))
     assert limit > 0
     assert (got - want).abs().max().item() <= limit
 
 
-@pytest.mark.parametrize("name", CONFIGS)
+@pytest.mark.parametrize("name", HF_NAMES)
 def test_greedy_generation_equals_eager(name):
     ids, mask, _ = batch("left")
-    attnpp = make(name, "attnpp")
-    eager = make(name, "eager", weights=attnpp)
+    attnpp = hf_model(name, "attnpp")
+    eager = hf_model(name, "eager", weights=attnpp)
     with torch.no_grad():
         got = attnpp.generate(ids, attention_mask=mask, max_new_tokens=20, do_sample=False)
         want = eager.generate(ids, attention_mask=mask, max_new_tokens=20, do_sample=False)
@@ -119,8 +84,8 @@ def test_generation_with_caches_equals_eager(name, cache):
     """The static cache (its unused slots cut off; generate prepares the masks ahead) and the dynamic one
     (sliding-window layers keep their last keys only), on the left-padded batch."""
     ids, mask, _ = batch("left")
-    attnpp = make(name, "attnpp")
-    eager = make(name, "eager", weights=attnpp)
+    attnpp = hf_model(name, "attnpp")
+    eager = hf_model(name, "eager", weights=attnpp)
     kw = dict(attention_mask=mask, max_new_tokens=12, do_sample=False, cache_implementation=cache)
     with torch.no_grad():
         assert torch.equal(attnpp.generate(ids, **kw), eager.generate(ids, **kw))
@@ -135,7 +100,7 @@ def gradients(model, ids, mask):
     return {n: p.grad.double() for n, p in model.named_parameters() if p.grad is not None}
 
 
-@pytest.mark.parametrize("name", CONFIGS)
+@pytest.mark.parametrize("name", HF_NAMES)
 def test_training_step_gradients_equal_eager(name):
     """Every parameter's gradient of one training step (right padding, ignored labels), through attnpp's
     backward, within twice eager's float32 error over the model's gradients (the float64 reference: eager on the
@@ -143,18 +108,18 @@ def test_training_step_gradients_equal_eager(name):
     gradient that is exactly 0, as a key bias's (softmax ignores a score added to a whole row), is rounding
     noise in both."""
     ids, mask, _ = batch("right")
-    attnpp = make(name, "attnpp")
-    eager = make(name, "eager", weights=attnpp)
+    attnpp = hf_model(name, "attnpp")
+    eager = hf_model(name, "eager", weights=attnpp)
     got, want = gradients(attnpp, ids, mask), gradients(eager, ids, mask)
-    ref = None if name in NO_FLOAT64 else gradients(make(name, "eager", torch.float64, attnpp), ids, mask)
+    ref = None if name in HF_NO_FLOAT64 else gradients(hf_model(name, "eager", torch.float64, attnpp), ids, mask)
     assert got.keys() == want.keys() and len(got) > 0
     flat = lambda grads: torch.cat([g.flatten() for g in grads.values()])
-    limit = bound(name, flat(want), None if ref is None else flat(ref))
+    limit = hf_bound(flat(want), None if ref is None else flat(ref))
     assert (flat(got) - flat(want)).abs().max().item() <= limit
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("name", CONFIGS)
+@pytest.mark.parametrize("name", HF_NAMES)
 def test_half_precision_error_at_most_eagers(name, dtype):
     """In bfloat16 and float16, attnpp's logits are as close to the float32 model's as eager's, within 1.5x
     (issue 21's bound for the kernels; the linear layers, torch's in both, add the same rounding). gpt-oss
@@ -163,8 +128,8 @@ def test_half_precision_error_at_most_eagers(name, dtype):
     (which is eager's on the same inputs)."""
     ids, mask, pos = batch("left")
     moe = {"num_experts_per_tok": 4} if name == "gpt_oss" else {}
-    ref = real_logits(make(name, "eager", **moe), ids, mask, pos)
-    err = {impl: (real_logits(make(name, impl, dtype, **moe), ids, mask, pos) - ref).abs().max().item()
+    ref = real_logits(hf_model(name, "eager", **moe), ids, mask, pos)
+    err = {impl: (real_logits(hf_model(name, impl, dtype, **moe), ids, mask, pos) - ref).abs().max().item()
            for impl in ("attnpp", "eager")}
     assert np.isfinite(err["attnpp"]) and err["attnpp"] <= 1.5 * err["eager"]
 
@@ -175,31 +140,16 @@ def test_custom_4d_mask_runs_dense():
     mask = torch.ones(T, T, dtype=torch.bool).tril()
     mask[6:, 3] = False
     additive = torch.zeros(2, 1, T, T).masked_fill(~mask, torch.finfo(torch.float32).min)
-    attnpp = make("llama", "attnpp")
-    eager = make("llama", "eager", weights=attnpp)
-    ref = make("llama", "eager", torch.float64, attnpp)
+    attnpp = hf_model("llama", "attnpp")
+    eager = hf_model("llama", "eager", weights=attnpp)
+    ref = hf_model("llama", "eager", torch.float64, attnpp)
     with torch.no_grad():
         got, want = attnpp(ids, attention_mask=additive).logits, eager(ids, attention_mask=additive).logits
         reference = ref(ids, attention_mask=additive.double().masked_fill(~mask, torch.finfo(torch.float64).min
                                                                           )).logits
         plain = eager(ids).logits
     assert (want - plain).abs().max() > 1e-3  # the hole changes the logits
-    assert (got - want).abs().max().item() <= bound("llama", want, reference)
-
-
-def test_packed_sequences_run_dense():
-    """Packed sequences (position_ids restarting, no attention_mask): transformers' packed-sequence mask is
-    built dense for attnpp, and each sequence sees its own keys only."""
-    ids, _, _ = batch("left")
-    ids = ids[:1]
-    pos = torch.cat([torch.arange(7), torch.arange(T - 7)])[None]
-    attnpp = make("llama", "attnpp")
-    eager = make("llama", "eager", weights=attnpp)
-    ref = make("llama", "eager", torch.float64, attnpp)
-    with torch.no_grad():
-        got, want = attnpp(ids, position_ids=pos).logits, eager(ids, position_ids=pos).logits
-        alone = torch.cat([ref(ids[:, :7]).logits, ref(ids[:, 7:]).logits], dim=1)
-    assert (got - want).abs().max().item() <= bound("llama", want, alone)
+    assert (got - want).abs().max().item() <= hf_bound(want, reference)
 
 
 def test_mask_function_layouts():
@@ -220,15 +170,112 @@ def test_mask_function_layouts():
     assert dense.dtype == torch.bool and torch.equal(dense, want)
 
 
-def test_bad_use_raises():
-    model = make("llama", "attnpp")
-    ids, mask, _ = batch("left")
-    with pytest.raises(ValueError, match="output_attentions"):
-        model(ids, attention_mask=mask, output_attentions=True)
+def test_mask_function_blocks():
+    """Packed sequences and chunks as transformers builds their mask functions: a KeyLayout of varlen offsets
+    over the flattened rows (sequence starts, chunk starts counted from each sequence's positions, or after a row's
+    left padding), each block's keys checked against transformers' own dense mask; chunks over a cache, or over a
+    row padded in the middle, dense."""
+    from transformers.masking_utils import (and_masks, chunked_causal_mask_function, packed_sequence_mask_function,
+                                            remap_positions_for_packed_sequence, sdpa_mask,
+                                            sliding_window_causal_mask_function)
+    pos = torch.tensor([[0, 1, 2, 3, 4, 5, 6, 0, 1, 2, 3, 4], [0, 1, 2, 0, 1, 2, 3, 4, 5, 6, 7, 8]])
+    ids = (torch.diff(pos, prepend=pos[:, :1] - 1) != 1).cumsum(-1)
+    cases = [  # (mask function, attention mask, the blocks' starts over the flattened rows, then 24)
+        (and_masks(remap_positions_for_packed_sequence(sliding_window_causal_mask_function(3), pos),
+                   packed_sequence_mask_function(ids)), None, [0, 7, 12, 15]),
+        (and_masks(remap_positions_for_packed_sequence(chunked_causal_mask_function(4, torch.zeros(2, dtype=int)),
+                                                       pos), packed_sequence_mask_function(ids)), None,
+         [0, 4, 7, 11, 12, 15, 19, 23]),
+        (chunked_causal_mask_function(5, torch.tensor([2, 0])), torch.arange(12).expand(2, 12) >= torch.tensor(
+            [[2], [0]]), [0, 2, 7, 12, 17, 22])]
+    for function, padding, starts in cases:
+        layout = AT.attention_mask(2, 12, 12, mask_function=function, attention_mask=padding)
+        assert layout.cu_seqlens.tolist() == starts + [24]
+        dense = sdpa_mask(2, 12, 12, mask_function=function, attention_mask=padding,
+                          allow_is_causal_skip=False)[:, 0]
+        blocks = torch.zeros(24, 24, dtype=torch.bool)
+        for a, b in zip(layout.cu_seqlens[:-1].tolist(), layout.cu_seqlens[1:].tolist()):
+            blocks[a:b, a:b] = torch.ones(b - a, b - a, dtype=torch.bool).tril()
+            if layout.window is not None:
+                blocks[a:b, a:b] &= ~torch.ones(b - a, b - a, dtype=torch.bool).tril(-layout.window)
+        for r in range(2):  # (the real queries' keys: a padded query sees nothing in the dense mask)
+            real = slice(None) if padding is None else padding[r]
+            assert torch.equal(blocks[12 * r:12 * (r + 1), 12 * r:12 * (r + 1)][real], dense[r][real])
+    chunked = chunked_causal_mask_function(4, torch.zeros(2, dtype=int))
+    assert not isinstance(AT.attention_mask(2, 1, 9, q_offset=8, mask_function=chunked), AT.KeyLayout)
+    middle = torch.ones(2, 12, dtype=torch.bool)
+    middle[0, 5] = False
+    assert not isinstance(AT.attention_mask(2, 12, 12, mask_function=chunked, attention_mask=middle), AT.KeyLayout)
+
+
+@pytest.mark.parametrize("name", HF_NAMES)
+def test_output_attentions_equal_eager(name):
+    """output_attentions=True: every layer's weights (B, Hq, L, S) of the right-padded batch, the real queries',
+    within twice eager's float32 error (sinks' share left out as eager leaves it, windows, soft-capping)."""
+    ids, mask, pos = batch("right")
+    attnpp = hf_model(name, "attnpp")
+    runs = {}
+    for impl, model in (("attnpp", attnpp), ("eager", hf_model(name, "eager", weights=attnpp))) + (
+            () if name in HF_NO_FLOAT64 else (("reference", hf_model(name, "eager", torch.float64, attnpp)),)):
+        with torch.no_grad():
+            weights = model(ids, attention_mask=mask, position_ids=pos, output_attentions=True).attentions
+        assert len(weights) == attnpp.config.num_hidden_layers
+        runs[impl] = torch.cat([w.double().transpose(1, 2)[mask.bool()].flatten() for w in weights])
+    limit = hf_bound(runs["eager"], runs.get("reference"))
+    assert (runs["attnpp"] - runs["eager"]).abs().max().item() <= limit
+
+
+def t5_model(impl, dtype=torch.float32, weights=None):
+    config = tf.T5Config(vocab_size=128, d_model=64, d_kv=16, d_ff=128, num_layers=2, num_heads=4, dropout_rate=0.0)
+    torch.manual_seed(0)
+    model = tf.AutoModelForSeq2SeqLM.from_config(config, attn_implementation=impl, dtype=dtype)
+    if weights is not None:
+        model.load_state_dict(weights.state_dict())
+    return model.train()
+
+
+def test_t5_position_bias_logits_and_gradients_equal_eager():
+    """T5's relative-position bias (position_bias) as a float mask: the logits of a padded batch and every
+    parameter's gradient, the relative_attention_bias tables' (the bias's gradient) included, within twice
+    eager's float32 error."""
+    g = torch.Generator().manual_seed(4)
+    ids, decoder_ids = torch.randint(1, 128, (2, 12), generator=g), torch.randint(1, 128, (2, 7), generator=g)
+    mask = torch.ones(2, 12, dtype=torch.long)
+    mask[1, -3:] = 0
+    attnpp = t5_model("attnpp")
+    runs = {}
+    for impl, model in (("attnpp", attnpp), ("eager", t5_model("eager", weights=attnpp)),
+                        ("reference", t5_model("eager", torch.float64, weights=attnpp))):
+        out = model(ids, attention_mask=mask, decoder_input_ids=decoder_ids)
+        torch.nn.functional.cross_entropy(out.logits.reshape(-1, 128), decoder_ids.reshape(-1)).backward()
+        grads = {n: p.grad.double() for n, p in model.named_parameters() if p.grad is not None}
+        runs[impl] = (out.logits.detach().double(), torch.cat([grads[n].flatten() for n in sorted(grads)]), grads)
+    assert sorted(runs["attnpp"][2]) == sorted(runs["eager"][2])
+    assert any("relative_attention_bias" in n and runs["attnpp"][2][n].abs().max() > 0 for n in runs["attnpp"][2])
+    for i, what in ((0, "logits"), (1, "gradients")):
+        limit = hf_bound(runs["eager"][i], runs["reference"][i])
+        assert (runs["attnpp"][i] - runs["eager"][i]).abs().max().item() <= limit, what
+
+
+def test_model_without_attention_interface_refused_at_load():
+    """Falcon's attention layers do not go through AttentionInterface: refused when built, naming the class."""
+    config = tf.FalconConfig(vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=2)
+    with pytest.raises(ValueError, match=r"FalconForCausalLM does not run its attention through transformers. "
+                                         r"AttentionInterface.*attn_implementation=.sdpa."):
+        tf.AutoModelForCausalLM.from_config(config, attn_implementation="attnpp")
+
+
+def test_packed_rows_refuse_weights():
+    model = hf_model("llama", "attnpp")
+    ids, _, _ = batch("left")
+    pos = torch.cat([torch.arange(7), torch.arange(T - 7)])[None]
+    with pytest.raises(ValueError, match="output_attentions=True"):
+        model(ids, position_ids=pos.expand(2, T), use_cache=False, output_attentions=True)
+
 
 def test_meta_model_propagates_shapes():
     # attnpp's operators have fake kernels: a model on the meta device gives the logits' shape without compute
-    model = make("llama", "attnpp").to("meta")
+    model = hf_model("llama", "attnpp").to("meta")
     ids, mask, _ = batch("left")
     logits = model(ids.to("meta"), attention_mask=mask.to("meta")).logits
     assert logits.is_meta and logits.shape == (2, T, 128)
@@ -242,7 +289,7 @@ def test_attention_runs_on_attnpp():
         calls.append(type(attention_mask).__name__)
         return AT.attention_forward(module, query, key, value, attention_mask, **kwargs)
 
-    model = make("gemma2", "attnpp")
+    model = hf_model("gemma2", "attnpp")
     ids, mask, _ = batch("left")
     AttentionInterface.register(AT.NAME, spy)
     try:
@@ -265,7 +312,7 @@ def test_dropout_reaches_attnpp(monkeypatch):
         seen.append(dropout_p)
         return sdpa(*args, dropout_p=dropout_p, **kwargs)
     monkeypatch.setattr(attnpp.torch, "scaled_dot_product_attention", spy)
-    model = make("llama", "attnpp", attention_dropout=0.5)
+    model = hf_model("llama", "attnpp", attention_dropout=0.5)
     ids, mask, _ = batch("left")
     with torch.no_grad():
         evaluated = model(ids, attention_mask=mask).logits
@@ -288,7 +335,7 @@ def _ddp_rank(rank, world, port, out_dir):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     torch.distributed.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=120))
-    model = make("llama", "attnpp", torch.float64)
+    model = hf_model("llama", "attnpp", torch.float64)
     ddp = torch.nn.parallel.DistributedDataParallel(model)
     ids = torch.randint(1, 128, (4, T), generator=torch.Generator().manual_seed(2))[2 * rank:2 * rank + 2]
     ddp.train()
@@ -307,7 +354,7 @@ def test_ddp_step_equals_single_process(tmp_path):
         port = s.getsockname()[1]
     torch.multiprocessing.spawn(_ddp_rank, args=(2, port, tmp_path), nprocs=2, join=True)
     got = torch.load(tmp_path / "ddp.pt")
-    model = make("llama", "attnpp", torch.float64).train()
+    model = hf_model("llama", "attnpp", torch.float64).train()
     ids = torch.randint(1, 128, (4, T), generator=torch.Generator().manual_seed(2))
     model(ids, labels=ids).loss.backward()
     for n, p in model.named_parameters():

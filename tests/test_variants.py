@@ -295,6 +295,7 @@ def test_kvcache_refuses_a_full_cache(rng):
     (dict(softcap="1"), TypeError, "softcap"),
     (dict(alibi_slopes=np.ones(3)), ValueError, "alibi_slopes"),
     (dict(alibi_slopes=np.ones(2, dtype=np.int64)), TypeError, "alibi_slopes"),
+    (dict(alibi_slopes=np.array([0.5, np.nan])), ValueError, "alibi_slopes: expected finite slopes"),
     (dict(sinks=np.ones(3)), ValueError, "sinks"),
     (dict(sinks=np.ones(2, dtype=np.float32)), TypeError, "sinks"),
 ])

@@ -334,7 +334,7 @@ struct FusedLossArrays {
 void linear_cross_entropy(const py::array& losses, const py::array& logsumexp, const py::object& grad_input,
                           const py::object& grad_weight, const py::object& grad_bias, const py::object& row_weight,
                           const py::array& input, const py::array& weight, const py::object& bias,
-                          const py::array& target, int64_t ignore_index, double label_smoothing) {
+                          const py::array& target, int64_t ignore_index, double label_smoothing, double softcap) {
   dispatch(input, "input", [&](auto t) {
     using T = typename decltype(t)::type;
     using C = compute_t<T>;
@@ -346,7 +346,7 @@ void linear_cross_entropy(const py::array& losses, const py::array& logsumexp, c
     C* lse = contiguous_ptr<C>(logsumexp, "logsumexp", true);
     py::gil_scoped_release release;
     kernels<T>().linear_cross_entropy(l, lse, a.dx, a.dw, a.db, a.rw, a.x, a.w, a.b, a.tg.data(), a.N, a.E, a.V,
-                                      ignore_index, label_smoothing);
+                                      ignore_index, label_smoothing, softcap);
   });
 }
 
@@ -354,7 +354,7 @@ void linear_cross_entropy_backward(const py::array& logsumexp, const py::object&
                                    const py::object& grad_weight, const py::object& grad_bias,
                                    const py::array& row_weight, const py::array& input, const py::array& weight,
                                    const py::object& bias, const py::array& target, int64_t ignore_index,
-                                   double label_smoothing) {
+                                   double label_smoothing, double softcap) {
   dispatch(input, "input", [&](auto t) {
     using T = typename decltype(t)::type;
     using C = compute_t<T>;
@@ -364,7 +364,7 @@ void linear_cross_entropy_backward(const py::array& logsumexp, const py::object&
     const C* lse = contiguous_ptr<C>(logsumexp, "logsumexp", false);
     py::gil_scoped_release release;
     kernels<T>().linear_cross_entropy_backward(lse, a.dx, a.dw, a.db, a.rw, a.x, a.w, a.b, a.tg.data(), a.N, a.E,
-                                               a.V, ignore_index, label_smoothing);
+                                               a.V, ignore_index, label_smoothing, softcap);
   });
 }
 
@@ -651,17 +651,17 @@ PYBIND11_MODULE(_core, m) {
         "Fused cross_entropy(input (N, E) @ weight (V, E).T + bias (V,) or None, target (N,) int64) with label "
         "smoothing, over chunks of rows: writes the per-row losses (N,) (0 where ignored) and logsumexp (N,). With "
         "row_weight (N,), also adds the gradients into grad_input (N, E) or None, grad_weight (V, E) and grad_bias "
-        "(V,) or None in the same pass.",
+        "(V,) or None in the same pass. softcap > 0: the logits soft-capped, softcap * tanh(z / softcap).",
         py::arg("losses"), py::arg("logsumexp"), py::arg("grad_input"), py::arg("grad_weight"), py::arg("grad_bias"),
         py::arg("row_weight"), py::arg("input"), py::arg("weight"), py::arg("bias"), py::arg("target"),
-        py::arg("ignore_index"), py::arg("label_smoothing"));
+        py::arg("ignore_index"), py::arg("label_smoothing"), py::arg("softcap") = 0.0);
   m.def("linear_cross_entropy_backward", &linear_cross_entropy_backward,
         "Backward of linear_cross_entropy: each chunk's logits recomputed from the forward's logsumexp (N,), the "
         "gradients of the losses weighted by row_weight (N,) added into grad_input (N, E) or None, grad_weight "
         "(V, E) and grad_bias (V,) or None.",
         py::arg("logsumexp"), py::arg("grad_input"), py::arg("grad_weight"), py::arg("grad_bias"),
         py::arg("row_weight"), py::arg("input"), py::arg("weight"), py::arg("bias"), py::arg("target"),
-        py::arg("ignore_index"), py::arg("label_smoothing"));
+        py::arg("ignore_index"), py::arg("label_smoothing"), py::arg("softcap") = 0.0);
   m.def("sgd_step", &sgd_step,
         "One SGD step (torch.optim.SGD's update) on every param of the list in place, in one parallel loop; "
         "momentum_buffers: an array of param's size per param, or None when momentum is 0; steps: 1 on a buffer's "

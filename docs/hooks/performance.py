@@ -36,8 +36,33 @@ def target(case):
     return f">= {case['target']} (issue {case['issue']}){verdict}"
 
 
+def ratio_cell(ratio):
+    return f"{ratio['median']:.2f} [{ratio['iqr'][0]:.2f}-{ratio['iqr'][1]:.2f}]"
+
+
+def peers_table(data):
+    """The peers' table (``--against``): one row per case and engine, or [] (no peers in the run; files written
+    before issue 37 have none)."""
+    rows = []
+    for case in data["cases"]:
+        for title, peer in case.get("peers", {}).items():
+            check = "" if peer.get("error") is None else f"{peer['error']:.1e} (tol {peer['tolerance']:.2g})"
+            if "skipped" in peer:
+                rows.append(f"| {cell(case['name'])} | {cell(title)} | skipped | | {check} | {cell(peer['skipped'])} |")
+            else:
+                rows.append(f"| {cell(case['name'])} | {cell(title)} | {fmt_time(peer['median_s'])} | "
+                            f"{ratio_cell(peer['ratio'])} | {check} | {cell(peer.get('note') or '')} |")
+    if not rows:
+        return []
+    versions = ", ".join(f"{k} {v}" for k, v in data["peers"]["versions"].items())
+    return ["", f"Peers, forward only ({cell(versions)}): each checked against float64 first (its error and the "
+            "tolerance), then timed in the same rounds; peer/attnpp above 1: attnpp faster.", "",
+            "| case | peer | time | peer/attnpp [IQR] | float64 check | note |", "|---|---|---:|---:|---:|---|", *rows]
+
+
 def render(data, name):
-    """One results file as markdown: the machine, then the cases' table, the skipped cases and the cases' lines."""
+    """One results file as markdown: the machine, then the cases' table, the peers' table, the skipped cases and the
+    cases' lines."""
     if data.get("format") != FORMAT:
         raise ValueError(f"docs/results/{name}: format {data.get('format')!r}, expected {FORMAT!r}")
     m, run = data["machine"], data["run"]
@@ -56,19 +81,20 @@ def render(data, name):
            f"| run | {run['repeats']} alternating pairs per case{', --quick sizes' if run['quick'] else ''} |"]
     if m.get("note"):
         out.append(f"| note | {cell(m['note'])} |")
-    out += ["", "| case | attnpp | PyTorch | ratio [IQR] | attnpp GFLOP/s | attnpp MiB | PyTorch MiB | target |",
-            "|---|---:|---:|---:|---:|---:|---:|---|"]
+    out += ["", "| case | attnpp | PyTorch | ratio [IQR] | attnpp GFLOP/s | % of GEMM | attnpp MiB | PyTorch MiB | "
+            "target |", "|---|---:|---:|---:|---:|---:|---:|---:|---|"]
     for case in data["cases"]:
         if "skipped" in case:
-            out.append(f"| {cell(case['name'])} | skipped | skipped | | | | | {target(case)} |")
+            out.append(f"| {cell(case['name'])} | skipped | skipped | | | | | | {target(case)} |")
             continue
-        ratio = case["ratio"]
         gflops = "" if case["attnpp_gflops"] is None else f"{case['attnpp_gflops']:.1f}"
+        share = "" if case.get("gemm_share") is None else f"{case['gemm_share']:.0%}"
         memory = ["n/a" if case[s]["memory_mib"] is None else f"{case[s]['memory_mib']:.1f}" for s in ("attnpp", "torch")]
         out.append(f"| {cell(case['name'])} | {side_time(case, 'attnpp')} | {side_time(case, 'torch')} | "
-                   f"{ratio['median']:.2f} [{ratio['iqr'][0]:.2f}-{ratio['iqr'][1]:.2f}] | {gflops} | "
-                   f"{memory[0]} | {memory[1]} | {target(case)} |")
+                   f"{ratio_cell(case['ratio'])} | {gflops} | {share} | {memory[0]} | {memory[1]} | {target(case)} |")
+    out += peers_table(data)
     notes = [f"skipped {c['name']}: {c['skipped']}" for c in data["cases"] if "skipped" in c]
+    notes += (data.get("peers") or {}).get("missing", [])
     notes += [c["line"] for c in data["cases"] if c.get("line")]
     sgemm = data["sgemm"]
     rates = ", ".join(f"{k} {v:.1f} GFLOP/s" for k, v in sgemm["gflops"].items())

@@ -116,15 +116,38 @@ def check_index(index, name, size, allowed=None):
     return np.asarray(index, dtype=np.int64, order="C")  # (ascontiguousarray would make 0-d arrays 1-d)
 
 
-def check_alibi_slopes(slopes, batch, Hq, dtype):
-    """ALiBi slopes broadcast to (B..., Hq), as the core's (N or 1, Hq) array of ``dtype``'s compute dtype."""
+def check_query_heads(query, option="", **kv):
+    """Grouped-query attention's rule: the query's heads Hq (``query[1]``) a multiple of each of ``kv``'s heads,
+    ``kv`` naming (shape, heads) pairs (key, value, key_cache...); ``query`` is (shape, Hq). Else ValueError,
+    prefixed by ``option`` (the argument that asked for GQA) where there is one."""
+    (q_shape, Hq) = query
+    for name, (shape, H) in kv.items():
+        if H == 0 or Hq % H:
+            shapes = ", ".join(f"{n} {tuple(sh)}" for n, (sh, _) in kv.items())
+            raise ValueError(f"{option}query heads Hq={Hq} must be a multiple of {name}'s heads (grouped-query "
+                             f"attention), got query {tuple(q_shape)}, {shapes}")
+
+
+def check_cache_dtype(dtype, compute, name):
+    """A KV cache's ``dtype``: ``compute`` (the query's or the layer's), or float16/bfloat16 under a float32
+    ``compute`` (the cache then holds half precision); else TypeError naming ``name``."""
+    if np.dtype(dtype) != compute and not (dtype in HALVES and compute == np.float32):
+        raise TypeError(f"{name}: expected dtype {np.dtype(compute)} (the query's or the layer's), or float16 or "
+                        f"bfloat16 under a float32 one, got {np.dtype(dtype)}")
+
+
+def check_alibi_slopes(slopes, batch, Hq, dtype, name="alibi_slopes"):
+    """ALiBi slopes broadcast to (B..., Hq), as the core's (N or 1, Hq) array of ``dtype``'s compute dtype: finite
+    floats, else TypeError/ValueError naming ``name``."""
     dtype = compute_dtype(dtype)
-    slopes = as_ndarray(slopes, "alibi_slopes")
+    slopes = as_ndarray(slopes, name)
     if slopes.dtype.kind != "f" and slopes.dtype not in FLOATS:
-        raise TypeError(f"alibi_slopes: expected a float array, got dtype {slopes.dtype}")
+        raise TypeError(f"{name}: expected a float array, got dtype {slopes.dtype}")
     full = tuple(batch) + (Hq,)
     if slopes.ndim == 0 or slopes.shape[-1] != Hq or np.broadcast_shapes(slopes.shape, full) != full:
-        raise ValueError(f"alibi_slopes: expected shape (Hq,) = ({Hq},) or (B..., Hq) = {full}, got {slopes.shape}")
+        raise ValueError(f"{name}: expected shape (Hq,) = ({Hq},) or (B..., Hq) = {full}, got {slopes.shape}")
+    if not np.isfinite(slopes).all():
+        raise ValueError(f"{name}: expected finite slopes, got {slopes.tolist()}")
     if slopes.ndim == 1:
         return np.ascontiguousarray(slopes, dtype=dtype).reshape(1, Hq)
     return np.ascontiguousarray(np.broadcast_to(slopes, full), dtype=dtype).reshape(-1, Hq)
@@ -233,12 +256,15 @@ def check_choice(value, name, choices):
     return value
 
 
-def check_seed(seed, name="seed", used=True):
+def check_seed(seed, name="seed", used=True, backward=None):
     """``seed`` as an unsigned 64-bit int (taken modulo 2**64), or a fresh one from attnpp's generator when it is
     None; 0 when not ``used`` (a call without dropout: the seed is checked, and no number is drawn); else
-    TypeError."""
+    TypeError. A backward that uses it needs the forward's: ``backward`` names its dropout probability, and None
+    gives a ValueError."""
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, (int, np.integer))):
         raise TypeError(f"{name}: expected an int or None, got {type(seed).__name__}")
+    if backward and used and seed is None:
+        raise ValueError(f"{name}: the backward with {backward} > 0 needs the seed given to the forward, got None")
     if not used:
         return 0
     return next_seed() if seed is None else int(seed) % 2**64
@@ -316,6 +342,17 @@ def check_rotary_base(base, name):
     if not (math.isfinite(base) and base > 0):
         raise ValueError(f"{name} must be finite and > 0, got {base!r}")
     return float(base)
+
+
+def check_rotary_dim(rotary_dim, head_dim=None):
+    """RoPE's ``rotary_dim`` as an even int >= 2 (features are rotated in pairs), at most ``head_dim`` where given
+    (a layer's qk_dim / num_heads); else TypeError/ValueError."""
+    rotary_dim = check_int(rotary_dim, "rotary_dim", minimum=2)
+    if rotary_dim % 2:
+        raise ValueError(f"rotary_dim must be even (features are rotated in pairs), got {rotary_dim}")
+    if head_dim is not None and rotary_dim > head_dim:
+        raise ValueError(f"rotary_dim must be at most the head width qk_dim / num_heads = {head_dim}, got {rotary_dim}")
+    return rotary_dim
 
 
 def check_written(array, name):
@@ -426,11 +463,12 @@ ARGUMENTS = {
     "functional.cross_entropy_forward": dict(ignore_index=IGNORE_INDEX, reduction=REDUCTION),
     "functional.cross_entropy_backward": dict(ignore_index=IGNORE_INDEX, reduction=REDUCTION),
     "functional.linear_cross_entropy": dict(ignore_index=IGNORE_INDEX, reduction=REDUCTION,
-                                            label_smoothing=LABEL_SMOOTHING),
+                                            label_smoothing=LABEL_SMOOTHING, softcap=SOFTCAP),
     "functional.linear_cross_entropy_forward": dict(ignore_index=IGNORE_INDEX, reduction=REDUCTION,
-                                                    label_smoothing=LABEL_SMOOTHING, compute_grads=FLAG),
+                                                    label_smoothing=LABEL_SMOOTHING, softcap=SOFTCAP,
+                                                    compute_grads=FLAG),
     "functional.linear_cross_entropy_backward": dict(ignore_index=IGNORE_INDEX, reduction=REDUCTION,
-                                                     label_smoothing=LABEL_SMOOTHING),
+                                                     label_smoothing=LABEL_SMOOTHING, softcap=SOFTCAP),
     "functional.linear_backward": dict(need_input_grad=FLAG),
     "functional.get_alibi_slopes": dict(num_heads=COUNT, dtype=DTYPE),
     "functional.rotary_embedding": dict(interleaved=FLAG),

@@ -222,9 +222,11 @@ def linear_cross_entropy(
     target: _IndexArray,
     ignore_index: int,
     label_smoothing: float,
+    softcap: float = 0.0,
 ) -> None:
     """Fused cross_entropy(input (N, E) @ weight (V, E).T + bias, target (N,)) over chunks of rows: losses and
-    logsumexp (N,) written; with row_weight, the gradients added in the same pass."""
+    logsumexp (N,) written; with row_weight, the gradients added in the same pass. softcap > 0: the logits
+    soft-capped, softcap * tanh(z / softcap)."""
 
 def linear_cross_entropy_backward(
     logsumexp: _FloatArray,
@@ -238,6 +240,7 @@ def linear_cross_entropy_backward(
     target: _IndexArray,
     ignore_index: int,
     label_smoothing: float,
+    softcap: float = 0.0,
 ) -> None:
     """Backward of linear_cross_entropy: each chunk's logits recomputed from logsumexp (N,), the gradients of the
     losses weighted by row_weight (N,) added into grad_input (N, E) or None, grad_weight and grad_bias or None."""

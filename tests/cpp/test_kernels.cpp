@@ -308,9 +308,10 @@ void test_linear(int64_t M, int64_t Fin, int64_t Fout, bool bias, bool need_dx) 
 
 // ------------------------------------------------------------------------------------- linear + cross-entropy
 // losses and the gradients of x (N, E), w (V, E) and b (V) for row weights g (the backward of sum_i g_i loss_i),
-// with label smoothing eps and one ignored row (the second); E narrow (vocabulary blocks) or wide (row chunks)
+// with label smoothing eps and one ignored row (the second), the logits soft-capped by cap > 0 (y = cap tanh(z /
+// cap)); E narrow (vocabulary blocks) or wide (row chunks)
 template <typename T>
-void test_linear_cross_entropy(int64_t N, int64_t E, int64_t V, double eps) {
+void test_linear_cross_entropy(int64_t N, int64_t E, int64_t V, double eps, double cap = 0) {
   using C = compute_t<T>;
   const auto x = uniform<T>(size_t(N * E), 21, -2, 2), w = uniform<T>(size_t(V * E), 22), b = uniform<T>(size_t(V), 23);
   const size_t n = size_t(N), nv = size_t(V);  // (`target(size_t(N))` would declare a function)
@@ -325,6 +326,7 @@ void test_linear_cross_entropy(int64_t N, int64_t E, int64_t V, double eps) {
     for (int64_t j = 0; j < V; ++j) {
       z[j] = dbl(b[j]);
       for (int64_t f = 0; f < E; ++f) z[j] += dbl(x[i * E + f]) * dbl(w[j * E + f]);
+      if (cap > 0) z[j] = cap * std::tanh(z[j] / cap);
       m = std::max(m, z[j]), zsum += z[j];
     }
     for (int64_t j = 0; j < V; ++j) s += std::exp(z[j] - m);
@@ -332,7 +334,9 @@ void test_linear_cross_entropy(int64_t N, int64_t E, int64_t V, double eps) {
     if (target[i] < 0) continue;
     loss_ref[i] = lse - (1 - eps) * z[target[i]] - eps * zsum / double(V);
     for (int64_t j = 0; j < V; ++j) {
-      const double dz = double(g[i]) * (std::exp(z[j] - lse) - eps / double(V) - (j == target[i] ? 1 - eps : 0));
+      const double slope = cap > 0 ? 1 - (z[j] / cap) * (z[j] / cap) : 1;  // dy/dz
+      const double dz =
+          double(g[i]) * (std::exp(z[j] - lse) - eps / double(V) - (j == target[i] ? 1 - eps : 0)) * slope;
       db_ref[j] += dz;
       for (int64_t f = 0; f < E; ++f) {
         dx_ref[i * E + f] += dz * dbl(w[j * E + f]);
@@ -344,10 +348,10 @@ void test_linear_cross_entropy(int64_t N, int64_t E, int64_t V, double eps) {
   const T zero = from_double<T>(0);
   std::vector<T> dx(size_t(N * E), zero), dw(size_t(V * E), zero), db(size_t(V), zero);
   table<T>().linear_cross_entropy(losses.data(), lse.data(), dx.data(), dw.data(), db.data(), g.data(), x.data(),
-                                  w.data(), b.data(), target.data(), N, E, V, -100, eps);
-  char tag[96];
-  std::snprintf(tag, sizeof tag, "linear_cross_entropy N=%lld E=%lld V=%lld eps=%g %s ", (long long)N, (long long)E,
-                (long long)V, eps, dtype_name<T>());
+                                  w.data(), b.data(), target.data(), N, E, V, -100, eps, cap);
+  char tag[112];
+  std::snprintf(tag, sizeof tag, "linear_cross_entropy N=%lld E=%lld V=%lld eps=%g cap=%g %s ", (long long)N,
+                (long long)E, (long long)V, eps, cap, dtype_name<T>());
   check(std::string(tag) + "losses", losses, loss_ref, tolerance<C>());
   check(std::string(tag) + "dx", dx, dx_ref);
   check(std::string(tag) + "dw", dw, dw_ref);
@@ -430,6 +434,8 @@ void test_all() {
   test_linear_cross_entropy<T>(30, 5, 3000, 0.0);  // narrow E: blocks of the vocabulary
   test_linear_cross_entropy<T>(140, 3, 1100, 0.1);  // narrow, two row chunks, label smoothing
   test_linear_cross_entropy<T>(20, 40, 300, 0.1);   // wide E: row chunks
+  test_linear_cross_entropy<T>(20, 40, 300, 0.1, 1.5);  // soft-capped: wide E
+  test_linear_cross_entropy<T>(30, 5, 3000, 0.0, 1.5);  // and narrow
   test_rotary<T>(3, 4, 37, 64, 32, false, false);  // R = D, half-split
   test_rotary<T>(3, 4, 37, 64, 32, true, true);    // R = D, interleaved, strided
   test_rotary<T>(2, 3, 300, 80, 16, false, true);  // R < D, enough rows for the threads

@@ -1,8 +1,9 @@
-"""Benchmark: attnpp against PyTorch on the CPU, in one table.
+"""Benchmark: attnpp against PyTorch on the CPU, in one table, and against other CPU attention engines on request.
 
 Run ``python -m attnpp.bench`` (``--help`` for the options, ``--list`` for the case names, ``--quick`` for a
-tiny run of every case kind). It needs PyTorch (``pip install ".[test]"``); ``import attnpp`` never imports
-this module.
+tiny run of every case kind, ``--against onnxruntime,openvino`` for the peers). It needs PyTorch
+(``pip install ".[test]"``), the peers their own packages (``pip install ".[bench-peers]"``); ``import attnpp``
+never imports this module.
 
 What it measures, in float32 unless a case names another dtype, each case on both libraries with the same inputs
 and weights:
@@ -10,6 +11,9 @@ and weights:
 - the attention kernel, forward and forward + backward: ``attnpp.functional.scaled_dot_product_attention_forward``
   (+ ``_backward``) against ``torch.nn.functional.scaled_dot_product_attention`` (+ ``out.backward``), causal and
   not, with its GFLOP/s (forward 4 B H L S D, halved when causal; backward 2.5 times the forward);
+- issue 37's long causal sequences (``causal-length``): the kernel on (1, H, L, D), causal, forward and forward +
+  backward, L from 2,048 to 32,768 for H = 12, D = 64 and H = 32, D = 128 (at 32,768 and H = 32 a forward takes
+  minutes on 2 cores: select lengths with ``--cases``);
 - the memory case: (1, 12, 8192, 64) causal forward + backward, where attnpp's memory growth beyond its outputs
   and gradients must stay below 256 MiB (FlashAttention-2 keeps it O(L), not O(L * S));
 - issue 14's attention variants, each with its target ratio (a line under the table says whether it is met; not
@@ -35,6 +39,10 @@ and weights:
     + backward: ``scaled_dot_product_attention_varlen_forward`` (+ ``_backward``) on the packed sequences with
     ``cu_seqlens``, against ``scaled_dot_product_attention`` on the batch padded to the longest, with a bool mask
     combining the causal mask and the keys' padding (a PyTorch user's way); target 1.5;
+- issue 37's decoding steps (``decode-length``): one query row (1, 32, 1, 128) over the 4,096 to 32,768 (+ 1) keys of
+  8 grouped key and value heads, float32 and bfloat16, through attnpp's plain call (``scaled_dot_product_attention``
+  with ``enable_gqa=True``) and its KV-cache call (``scaled_dot_product_attention_with_kvcache``, as the decode
+  step above), each against the same step in PyTorch;
 - ``attnpp.nn.MultiheadAttention`` against ``torch.nn.MultiheadAttention``, forward + backward, self-attention,
   with and without the attention weights;
 - the articles' layers at the articles' sizes: article 000's ``MultiheadAttention`` on (5, 6, 3) and article 004's
@@ -62,10 +70,31 @@ and weights:
   peak memory beyond its inputs and with them (its shards of query, key, value and output gradient) against
   the one process's (target <= 60%), and zigzag's causal forward time against the non-causal one's (target
   <= 60%). The workers' CPU time counts as "other processes" in the header;
+- fine-tuning a Hugging Face model (issue 38, ``--cases fine-tune``): a Llama-like causal LM (hidden 768, 12
+  layers, 12 query and 4 key/value heads, its embedding tied to the output projection), random-initialised, one
+  AdamW step on sequences of random lengths filling 4 rows of 1,024 tokens, at V = 32,000 and 128,256: sdpa with
+  transformers' loss on the sequences padded (one a row, micro-batches of 4 rows) against attnpp's attention
+  alone, with the fused loss (``attnpp.transformers.apply``), and with the fused loss on the packed rows (varlen).
+  Each configuration runs in a fresh process of its own, one after another: a warm-up step, then a timed step
+  (each configuration's figures printed on stderr as they come);
+  the table's MiB is the growth of a step, its line the process's peak resident set and the ratio against issue
+  38's bounds (the packed run at most 50% of sdpa's at V = 32,000, 35% at 128,256), the tokens/s (targets 1.1
+  padded, 1.3 packed), the first step's loss on both sides, and the tensors with two dimensions of L that any op
+  of a step returned (the dense masks: none on the packed rows);
 - the distance to the limit: a float32 2048 x 2048 matrix product (sgemm) through ``torch.mm`` and ``np.matmul``,
-  timed in the same run on the same threads, next to the GFLOP/s of attnpp's attention forward (best and median
-  of the ``sdpa fwd`` cases) and its share of PyTorch's sgemm rate (the issue's target: at least 70%); and the
-  same product in bfloat16 through ``torch.mm``, next to attnpp's bfloat16 attention forward.
+  timed in the same run on the same threads, and the same product in bfloat16 through ``torch.mm``. Each case with
+  a flop count shows attnpp's GFLOP/s (FlashAttention's count: case.attention_flops) and their share of the GEMM
+  rate of its dtype (``% of GEMM``: the bfloat16 product for bfloat16, the sgemm otherwise; report.gemm_rate); a
+  line gives the best and median share of the forward cases (``sdpa fwd`` and ``causal-length fwd``; issue 37's
+  target: at least 85%), another the bfloat16 ones.
+- the peers (``--against onnxruntime,openvino``, issue 37; the module ``peers``): ONNX Runtime through the standard
+  ONNX ``Attention`` operator (opset 23) and OpenVINO through ``opset13.scaled_dot_product_attention`` on the CPU
+  plugin, each on the run's threads, forward only, on the forward cases of the kernel (every dtype), causal-length
+  and decode-length families: each engine's first call is checked against the attention in float64, then the
+  engine is timed in the same rounds as the case's two sides; the peers' table gives its time, the ratios t_peer /
+  t_attnpp, its error and a note (OpenVINO's grouped heads are repeated for it beforehand). An engine that is not
+  installed, has no kernel for the dtype, fails its check or would need more than half the available memory is
+  skipped with a line saying why; the other cases go on.
 
 The header names the CPU level of each library (``attnpp.cpu_capability()``, PyTorch's
 ``torch.backends.cpu.get_cpu_capability()``). ``--capability avx2`` runs the whole benchmark in a child process with
@@ -75,7 +104,8 @@ the AVX2 (or baseline) path. (Without oneDNN's cap, PyTorch's bfloat16 products 
 
 How: one process; both libraries on the same thread count (``--threads``, default all cores). Each case warms
 each side up, then measures the memory of one call per side, then times attnpp and PyTorch alternately
-(a, t, a, t, ...), so that a drift of the machine (clock, other load) hits both alike. A fast call is timed as the
+(a, t, a, t, ...; with peers a, t, then each peer, in rounds), so that a drift of the machine (clock, other load)
+hits all alike. A fast call is timed as the
 mean of a batch calibrated so that one sample lasts at least 20 ms; the training runs in chunks of steps, one
 chunk per sample. Each pair gives a ratio t_PyTorch / t_attnpp (above 1: attnpp is faster); the table shows the
 median of the ratios with their interquartile range, and the median time of each side (the training: the sum of
@@ -97,27 +127,37 @@ What each side runs in a call:
 
 The package, one owner per concern: ``config`` (sizes, targets, the ``--capability`` environment), ``case`` (a
 case, its result), ``calls`` (the problems the families share: the kernel on random inputs, a layer against its
-PyTorch twin), one module per case family (``kernel``, ``variants``, ``half``, ``fused_loss``, ``huggingface``,
-``context_parallel`` with its worker processes in ``_ring``, ``articles``), ``registry`` (the families, in the
-table's order), ``measure``, ``report``, ``results`` (the ``--json`` file) and ``cli`` (``python -m attnpp.bench``).
+PyTorch twin), one module per case family (``kernel``, ``causal_length``, ``variants``, ``decode_length``,
+``half``, ``fused_loss``, ``huggingface``, ``fine_tune``,
+``context_parallel`` with its worker processes in ``_ring``,
+``articles``), ``registry`` (the families, in the table's order), ``peers`` (the other engines, their check),
+``measure``, ``report``, ``results`` (the ``--json`` file) and ``cli`` (``python -m attnpp.bench``).
 No module imports this package's ``__init__``: it only gathers the names below.
 """
 from __future__ import annotations
 
 from .articles import HelloWorldModel, training_calls
-from .calls import Sides, attention_calls, kernel_calls, layer_calls, mha_calls, random_inputs, sdpa_sides
-from .case import Case, Result, Skipped, Unavailable, fmt_shape, fmt_time
+from .calls import (Sides, attention_calls, kernel_calls, kernel_problem, layer_calls, mha_calls, random_inputs,
+                    sdpa_sides)
+from .case import Case, PeerResult, Result, Skipped, Unavailable, attention_flops, fmt_shape, fmt_time, kernel_flops
+from .causal_length import causal_length_cases
 from .cli import main, parse_args
 from .config import SIZES, capability_env
+from .decode_length import decode_length_cases, decode_problem, plain_decode_calls
 from .measure import measure, peak_growth_mib, sgemm_gflops
+from .peers import ENGINES, Peers, Problem, check_error, reference_rows
 from .registry import FAMILIES, make_cases
-from .report import bfloat16_gemm_line, print_report, row, sgemm_line, target_line
+from .report import (bfloat16_gemm_line, gemm_rate, gemm_share, peer_rows, print_report, row, sgemm_line,
+                     target_line)
 from .variants import (compile_first_call, decode_steps, flex_summary, sliding_window, variant_cases, varlen_lengths,
                        varlen_sides, window_calls, window_pairs, window_sides)
 
-__all__ = ["Case", "FAMILIES", "HelloWorldModel", "Result", "SIZES", "Sides", "Skipped", "Unavailable",
-           "attention_calls", "bfloat16_gemm_line", "capability_env", "compile_first_call", "decode_steps",
-           "flex_summary", "fmt_shape", "fmt_time", "kernel_calls", "layer_calls", "main", "make_cases", "measure",
-           "mha_calls", "parse_args", "peak_growth_mib", "print_report", "random_inputs", "row", "sdpa_sides",
-           "sgemm_gflops", "sgemm_line", "sliding_window", "target_line", "training_calls", "variant_cases",
-           "varlen_lengths", "varlen_sides", "window_calls", "window_pairs", "window_sides"]
+__all__ = ["Case", "ENGINES", "FAMILIES", "HelloWorldModel", "PeerResult", "Peers", "Problem", "Result", "SIZES",
+           "Sides", "Skipped", "Unavailable", "attention_calls", "attention_flops", "bfloat16_gemm_line",
+           "capability_env", "causal_length_cases", "check_error", "compile_first_call", "decode_length_cases",
+           "decode_problem", "decode_steps", "flex_summary", "fmt_shape", "fmt_time", "gemm_rate", "gemm_share",
+           "kernel_calls", "kernel_flops", "kernel_problem", "layer_calls", "main", "make_cases", "measure",
+           "mha_calls", "parse_args", "peak_growth_mib", "peer_rows", "plain_decode_calls", "print_report",
+           "random_inputs", "reference_rows", "row", "sdpa_sides", "sgemm_gflops", "sgemm_line", "sliding_window",
+           "target_line", "training_calls", "variant_cases", "varlen_lengths", "varlen_sides", "window_calls",
+           "window_pairs", "window_sides"]

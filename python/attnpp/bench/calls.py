@@ -15,6 +15,7 @@ from attnpp import functional as F, nn
 from attnpp.torch import from_numpy
 
 from .config import HALVES
+from .peers import Problem
 
 
 def forward_only(attnpp_call, torch_call):
@@ -108,6 +109,11 @@ def kernel_calls(shape, causal, backward, dtype=np.float32, bfloat16_numerics=No
             attnpp.set_bfloat16_attention(before)
     return call_with_numerics, torch_call
 
+def kernel_problem(shape, causal, dtype=np.float32):
+    """The problem kernel_calls times, for the peers: the same random (B, H, L, D) query, key and value."""
+    return Problem(*random_inputs(shape, dtype)[:3], is_causal=causal)
+
+
 def layer_calls(layer, ref, x, backward, forward=None, ref_forward=None):
     """(attnpp call, PyTorch call) of a layer and its PyTorch twin (same weights) on the input x (B, L, E).
 
@@ -146,3 +152,37 @@ def mha_calls(B, L, E, heads, need_weights, dtype="float32"):
     x = np.random.default_rng(0).standard_normal((B, L, E), dtype=np.float32).astype(np_dtype)
     return layer_calls(layer, ref, x, True, forward=lambda x: layer(x, x, x, need_weights=need_weights)[0],
                        ref_forward=lambda tx: ref(tx, tx, tx, need_weights=need_weights)[0])
+
+
+def padded_causal_calls(B, L, E, heads, bridge):
+    """Forward + backward of a causal self-attention layer over a padded batch (valid lengths L, 3L/4, L/2, L/4,
+    ...: ``key_padding_mask`` True at the padding), attnpp's ``nn.Attention`` (``bridge`` False) or
+    ``attnpp.torch.Attention`` (True), against ``torch.nn.MultiheadAttention`` with the causal (L, L) mask and the
+    same padding mask. Both attnpp layers pass the padding beside the causal flag, so the kernel skips the blocks
+    above the diagonal."""
+    from attnpp import torch as attnpp_torch
+    torch.manual_seed(0)
+    ref = torch.nn.MultiheadAttention(E, heads, batch_first=True)
+    lengths = [L - (L * (b % 4)) // 4 for b in range(B)]
+    pad = np.arange(L)[None, :] >= np.array(lengths)[:, None]                  # (B, L), True = padding
+    x = np.random.default_rng(0).standard_normal((B, L, E), dtype=np.float32)
+    g = from_numpy(np.random.default_rng(1).standard_normal((B, L, E), dtype=np.float32))
+    tx, tpad = from_numpy(x), torch.from_numpy(pad)
+    causal = torch.triu(torch.ones(L, L, dtype=torch.bool), diagonal=1)
+    ref_forward = lambda: ref(tx, tx, tx, key_padding_mask=tpad, attn_mask=causal, is_causal=True,
+                              need_weights=False)[0]
+    tx.requires_grad_()
+    torch_call = torch_forward_backward(ref_forward, [tx, *ref.parameters()], g)
+    if bridge:
+        layer = attnpp_torch.Attention(E, heads, causal=True)
+        ax = from_numpy(x.copy()).requires_grad_()
+        return torch_forward_backward(lambda: layer(ax, key_padding_mask=tpad), [ax, *layer.parameters()], g), \
+            torch_call
+    layer = nn.Attention(E, heads, causal=True)
+    g_np = g.numpy()
+
+    def attnpp_call():
+        layer.zero_grad()
+        layer(x, key_padding_mask=pad)
+        layer.backward(g_np)
+    return attnpp_call, torch_call

@@ -20,6 +20,7 @@ from .case import Skipped, Unavailable
 from .config import MEMORY_PAIRS, MKL_INSTRUCTIONS, SIZES, capability_env
 from .machine import background_load, cpu_seconds
 from .measure import measure, sgemm_gflops
+from .peers import ENGINES, Peers
 from . import results as results_file
 from .registry import make_cases
 from .report import print_report
@@ -77,9 +78,17 @@ def parse_args(argv):
                                                   "levels, threads, versions) and each case's medians, interquartile "
                                                   "ranges and ratios (attnpp.bench.results)")
     p.add_argument("--note", help="a note on the run stored in the --json file's machine record (e.g. a loaded host)")
+    p.add_argument("--against", metavar="ENGINES", type=lambda text: [n.strip() for n in text.split(",") if n.strip()],
+                   default=[], help="also time these engines, comma-separated, on the forward cases of the kernel, "
+                                    "causal-length and decode-length families, each checked against float64 first: "
+                                    f"{', '.join(ENGINES)} (attnpp.bench.peers; an engine not installed is skipped "
+                                    "with a line saying so)")
     args = p.parse_args(argv)
     if args.threads < 1 or (args.repeats is not None and args.repeats < 1):
         p.error("--threads and --repeats must be >= 1")
+    unknown = [name for name in args.against if name not in ENGINES]
+    if unknown:
+        p.error(f"--against: unknown engine {', '.join(map(repr, unknown))} (choose from {', '.join(ENGINES)})")
     return args
 
 
@@ -99,13 +108,16 @@ def main(argv=None):
         sys.exit(f"no case matches {args.cases!r} (see --list)")
     torch.set_num_threads(args.threads)
     attnpp.set_num_threads(args.threads)
+    peers = Peers(dict.fromkeys(args.against), args.threads) if args.against else None
+    for line in peers.missing if peers else ():
+        print(line, file=sys.stderr)  # now, and in the report
 
     start, cpu_before = time.perf_counter(), cpu_seconds()
     results = []
     for i, case in enumerate(cases, 1):
         print(f"[{i}/{len(cases)}] {case.name} ({time.perf_counter() - start:.0f} s)", file=sys.stderr, flush=True)
         try:
-            results.append(measure(case, repeats, size["min_sample"]))
+            results.append(measure(case, repeats, size["min_sample"], peers))
         except Unavailable as missing:  # e.g. the training without tiktoken: the other cases still count
             results.append(Skipped(case, str(missing)))
 
@@ -114,10 +126,10 @@ def main(argv=None):
           file=sys.stderr, flush=True)
     rates, numpy_threads = sgemm_gflops(size["sgemm"], size["min_sample"])
     load, sgemm = background_load(cpu_before), (size["sgemm"], rates, numpy_threads)
-    print_report(results, repeats, size["min_sample"], args.quick, load, sgemm)
+    print_report(results, repeats, size["min_sample"], args.quick, load, sgemm, peers)
     if args.json:
         results_file.write(args.json, results, argv=argv, quick=args.quick, repeats=repeats,
-                           min_sample=size["min_sample"], load=load, sgemm=sgemm, note=args.note)
+                           min_sample=size["min_sample"], load=load, sgemm=sgemm, note=args.note, peers=peers)
         print(f"results written to {args.json}", file=sys.stderr)
     print(f"total {time.perf_counter() - start:.0f} s", file=sys.stderr)
 

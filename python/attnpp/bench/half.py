@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import attnpp
 
-from .calls import forward_only, kernel_calls, mha_calls
+from .calls import forward_only, kernel_calls, kernel_problem, mha_calls
 from .case import Case, attention_flops, fmt_shape, kernel_flops
 from .config import HALF_TARGETS, HALVES, MEMORY_PAIRS
 from .kernel import memory_summary
@@ -12,8 +12,9 @@ from .variants import decode_steps, decode_summary
 
 
 def half_cases(size, repeats, float32_growth, float32_decode):
-    """Issue 21's cases, in bfloat16 and float16: the kernel cases (target HALF_TARGETS; bfloat16's forward +
-    backward also under set_bfloat16_attention("float32"), without a target), the memory case in bfloat16,
+    """Issue 21's cases, in bfloat16 and float16: the kernel cases (target HALF_TARGETS; the forward ones timed
+    against the peers; bfloat16's forward + backward also under set_bfloat16_attention("float32"), without a
+    target), the memory case in bfloat16,
     MultiheadAttention and the decode step (bfloat16's target: 2 against PyTorch)."""
     cases = []
     half_target = HALF_TARGETS.get(attnpp.cpu_capability())
@@ -28,7 +29,9 @@ def half_cases(size, repeats, float32_growth, float32_decode):
                                   lambda s=shape, c=causal, b=backward, d=np_dtype, n=numerics:
                                   kernel_calls(s, c, b, d, n),
                                   flops=kernel_flops(shape, causal, backward),
-                                  target=None if numerics else half_target, issue=21, dtype=dtype))
+                                  target=None if numerics else half_target, issue=21, dtype=dtype,
+                                  peer_problem=None if backward else
+                                  lambda s=shape, c=causal, d=np_dtype: kernel_problem(s, c, d)))
         if dtype == "bfloat16":
             mem = size["memory"]
             cases.append(Case(f"memory sdpa fwd+bwd {fmt_shape(mem)} causal {dtype}",

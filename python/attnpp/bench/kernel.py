@@ -2,7 +2,7 @@
 causal and not, and the memory case, whose attnpp temporaries must stay below MEMORY_LIMIT_MIB."""
 from __future__ import annotations
 
-from .calls import kernel_calls, mha_calls
+from .calls import kernel_calls, kernel_problem, mha_calls, padded_causal_calls
 from .case import Case, fmt_shape, kernel_flops
 from .config import MEMORY_LIMIT_MIB, MEMORY_PAIRS, MIB
 
@@ -37,15 +37,17 @@ def memory_summary(shape, float32_growth=None):
 
 
 def kernel_cases(size, repeats, float32_growth):
-    """The kernel cases, forward then forward + backward (the forward ones set against the sgemm rate), and the
-    memory case, which records attnpp's growth in ``float32_growth`` for the bfloat16 memory case's line."""
+    """The kernel cases, forward then forward + backward (the forward ones set against the sgemm rate and timed
+    against the peers), and the memory case, which records attnpp's growth in ``float32_growth`` for the bfloat16
+    memory case's line."""
     cases = []
     for backward in (False, True):
         kind = "fwd+bwd" if backward else "fwd"
         for shape, causal in size["kernel"]:
             cases.append(Case(f"sdpa {kind} {fmt_shape(shape)}{' causal' if causal else ''}",
                               lambda s=shape, c=causal, b=backward: kernel_calls(s, c, b),
-                              flops=kernel_flops(shape, causal, backward), vs_sgemm=not backward))
+                              flops=kernel_flops(shape, causal, backward), vs_sgemm=not backward,
+                              peer_problem=None if backward else lambda s=shape, c=causal: kernel_problem(s, c)))
     mem = size["memory"]
     cases.append(Case(f"memory sdpa fwd+bwd {fmt_shape(mem)} causal", lambda: kernel_calls(mem, True, True),
                       flops=kernel_flops(mem, True, True), pairs=min(repeats, MEMORY_PAIRS),
@@ -54,7 +56,12 @@ def kernel_cases(size, repeats, float32_growth):
 
 
 def mha_cases(size):
-    """``MultiheadAttention`` forward + backward in float32, without and with the attention weights."""
+    """``MultiheadAttention`` forward + backward in float32, without and with the attention weights; the causal
+    ``Attention`` layers (``attnpp.nn``'s and ``attnpp.torch``'s) over a padded batch."""
     B, L, E, H = size["mha"]
-    return [Case(f"MultiheadAttention fwd+bwd {fmt_shape((B, L, E))} H={H} need_weights={need_weights}",
-                 lambda w=need_weights: mha_calls(B, L, E, H, w)) for need_weights in (False, True)]
+    cases = [Case(f"MultiheadAttention fwd+bwd {fmt_shape((B, L, E))} H={H} need_weights={need_weights}",
+                  lambda w=need_weights: mha_calls(B, L, E, H, w)) for need_weights in (False, True)]
+    # issue 36: both Attention layers keep the causal kernel's block skipping under a padding mask
+    return cases + [Case(f"Attention fwd+bwd {fmt_shape((B, L, E))} H={H} causal + key_padding_mask, {name} vs "
+                         f"MultiheadAttention", lambda b=bridge: padded_causal_calls(B, L, E, H, b))
+                    for name, bridge in (("attnpp.nn", False), ("attnpp.torch", True))]

@@ -1,5 +1,5 @@
 """The machine a run measures: its CPU (model, instruction-set flags), the CPU level and threads of each library,
-the versions, and the share of the CPUs' time that other processes took meanwhile."""
+the versions, the memory available, and the share of the CPUs' time that other processes took meanwhile."""
 from __future__ import annotations
 
 import os
@@ -35,6 +35,18 @@ def simd_flags():
     """The CPU's vector instruction-set flags (SSE, AVX, AVX-512, FMA, AMX and kin), sorted; [] if unknown."""
     flags = (_cpuinfo("flags") or "").split()
     return sorted(f for f in flags if f.startswith(("sse", "ssse", "avx", "fma", "amx", "f16c", "bmi")))
+
+
+def available_memory():
+    """Bytes of memory available to a new allocation without swapping (/proc/meminfo's MemAvailable), or None."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
 
 
 def cpu_seconds():

@@ -1,5 +1,5 @@
 """Measurement: the warm-up, the memory of one call (the growth of the peak resident set), the alternating timed
-samples of each case and the sgemm reference rate."""
+samples of each case (its peers' in the same rounds) and the GEMM reference rates."""
 from __future__ import annotations
 
 import contextlib
@@ -73,19 +73,34 @@ def calibrate(call, min_sample, first):
         per_call = sample(call, n)
     return n
 
-def measure(case, repeats, min_sample):
-    """Warm up each side, measure the memory of one call per side, then time the sides alternately."""
+def measure(case, repeats, min_sample, peers=None):
+    """Warm up each side, measure the memory of one call per side, then time the sides alternately; with ``peers``
+    (a peers.Peers) and a case that has a ``peer_problem``, each peer engine that passes its check (its first call
+    is its warm-up) joins the rounds after the two sides: a, t, peer, ..., a, t, peer, ... A case with its own
+    measurement (``Case.run``) runs it."""
+    if case.run is not None:
+        return Result(case, *case.run())
     sides = case.build()
     # warm-up: first-call costs (lazy initialisation, thread start, first allocations) stay out of the timings
     first = [sample(call, 1) for call in sides]
     memory = tuple(call.peak_growth_mib() if hasattr(call, "peak_growth_mib") else peak_growth_mib(call)
                    for call in sides)  # (a call run by other processes measures them)
-    calls = tuple(case.calls_per_sample or calibrate(call, min_sample, t) for call, t in zip(sides, first))
-    times = ([], [])
+    ready, peer_results = {}, {}
+    if peers is not None and case.peer_problem is not None:
+        ready, peer_results = peers.prepare(case.peer_problem())
+    timed = list(sides) + [call for call, _, _ in ready.values()]
+    first += [seconds for _, seconds, _ in ready.values()]
+    calls = [case.calls_per_sample or calibrate(call, min_sample, t) for call, t in zip(timed, first)]
+    times = [[] for _ in timed]
     for _ in range(case.pairs or repeats):
-        for call, n, out in zip(sides, calls, times):
+        for call, n, out in zip(timed, calls, times):
             out.append(sample(call, n))
-    return Result(case, times, calls, memory)
+    for (title, (_, _, result)), peer_times, n in zip(ready.items(), times[2:], calls[2:]):
+        result.times, result.calls = peer_times, n
+        peer_results[title] = result
+    order = [engine.title for engine in peers.engines] if peers is not None else []
+    return Result(case, tuple(times[:2]), tuple(calls[:2]), memory,
+                  {title: peer_results[title] for title in order if title in peer_results})
 
 
 def sgemm_gflops(n, min_sample, samples=SGEMM_SAMPLES):

@@ -6,7 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
-from . import articles, context_parallel, fused_loss, half, huggingface, kernel, variants
+from . import (articles, causal_length, context_parallel, decode_length, fine_tune, fused_loss, half, huggingface,
+               kernel, variants)
 from .config import SIZES
 
 
@@ -22,14 +23,17 @@ class Family:
 FAMILIES = (
     Family("kernel", lambda size, quick, repeats, shared: kernel.kernel_cases(size, repeats,
                                                                               shared["float32_growth"])),
+    Family("causal-length", lambda size, quick, repeats, shared: causal_length.causal_length_cases(size)),
     Family("variants", lambda size, quick, repeats, shared: variants.variant_cases(size, quick,
                                                                                    shared["float32_decode"])),
+    Family("decode-length", lambda size, quick, repeats, shared: decode_length.decode_length_cases(size)),
     Family("MultiheadAttention", lambda size, quick, repeats, shared: kernel.mha_cases(size)),
     Family("half precision", lambda size, quick, repeats, shared: half.half_cases(size, repeats,
                                                                                   shared["float32_growth"],
                                                                                   shared["float32_decode"])),
     Family("fused loss", lambda size, quick, repeats, shared: fused_loss.linear_cross_entropy_cases(size)),
     Family("transformers", lambda size, quick, repeats, shared: huggingface.transformers_cases(size, quick)),
+    Family("fine-tune", lambda size, quick, repeats, shared: fine_tune.fine_tune_cases(size, quick)),
     Family("context parallel", lambda size, quick, repeats, shared: context_parallel.context_parallel_cases(size)),
     Family("articles", lambda size, quick, repeats, shared: articles.article_cases(size, repeats)),
 )

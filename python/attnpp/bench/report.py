@@ -1,4 +1,5 @@
-"""The report: the header (setup and method), the table, the cases' own lines, the targets and the sgemm line."""
+"""The report: the header (setup and method), the table, the peers' table (--against), the cases' own lines, the
+targets and the GEMM lines."""
 from __future__ import annotations
 
 import os
@@ -18,33 +19,73 @@ def attnpp_gflops(result):
     return None if result.case.flops is None else result.case.flops / np.median(result.times[0]) / 1e9
 
 
-def ratio_quartiles(result):
-    """25th, 50th and 75th percentiles of the ratios t_PyTorch / t_attnpp, one per alternating pair."""
+def gemm_rate(dtype, rates):
+    """The same run's GEMM rate a case of ``dtype`` is held against (``rates``: sgemm_gflops'): PyTorch's bfloat16
+    product for bfloat16, its float32 one (sgemm) otherwise: attnpp computes float16 in float32, and a CPU without
+    float16 arithmetic gives PyTorch's float16 product no fast path (0.2 GFLOP/s on the 2-core EPYC)."""
+    return rates["PyTorch bfloat16" if dtype == "bfloat16" else "PyTorch"]
+
+
+def gemm_share(result, rates):
+    """attnpp's GFLOP/s in a case as a share of gemm_rate (a fraction), or None without a flop count."""
+    gflops = attnpp_gflops(result)
+    return None if gflops is None else gflops / gemm_rate(result.case.dtype, rates)
+
+
+def ratio_quartiles(result, peer=None):
+    """25th, 50th and 75th percentiles of the ratios t_PyTorch / t_attnpp, one per alternating pair; with ``peer``
+    (a PeerResult of the case), of t_peer / t_attnpp, one per round."""
     a, t = (np.asarray(x) for x in result.times)
-    return np.percentile(t / a, [25, 50, 75])
+    other = t if peer is None else np.asarray(peer.times)
+    return np.percentile(other / a, [25, 50, 75])
 
 
-def row(result):
-    """One table row: name, times, ratio [IQR], GFLOP/s, memory of each side; a skipped case keeps its row."""
+def fmt_ratio(quartiles):
+    q1, med, q3 = quartiles
+    return f"{med:.2f} [{q1:.2f}-{q3:.2f}]"
+
+
+def row(result, rates):
+    """One table row: name, times, ratio [IQR], GFLOP/s and their share of the GEMM rate (``rates``), memory of each
+    side; a skipped case keeps its row."""
     if isinstance(result, Skipped):
-        return [result.case.name, "skipped", "skipped", "-", "-", "-", "-"]
+        return [result.case.name, "skipped", "skipped", "-", "-", "-", "-", "-"]
     a, t = (np.asarray(x) for x in result.times)
-    q1, med, q3 = ratio_quartiles(result)
     # the training shows all its steps (sum of the chunks), the other cases the median call
     shown = [x.sum() * n if result.case.total else np.median(x) for x, n in zip((a, t), result.calls)]
-    gflops = "-" if result.case.flops is None else f"{attnpp_gflops(result):.1f}"
+    share = gemm_share(result, rates)
+    gflops = ["-", "-"] if share is None else [f"{attnpp_gflops(result):.1f}", f"{share:.0%}"]
     mem = ["n/a" if m is None else f"{m:.1f}" for m in result.memory]
-    return [result.case.name, fmt_time(shown[0]), fmt_time(shown[1]), f"{med:.2f} [{q1:.2f}-{q3:.2f}]", gflops, *mem]
+    return [result.case.name, fmt_time(shown[0]), fmt_time(shown[1]), fmt_ratio(ratio_quartiles(result)), *gflops,
+            *mem]
 
 
-HEADER = ["case", "attnpp time", "PyTorch time", "ratio [IQR]", "attnpp GFLOP/s", "attnpp MiB", "PyTorch MiB"]
+HEADER = ["case", "attnpp time", "PyTorch time", "ratio [IQR]", "attnpp GFLOP/s", "% of GEMM", "attnpp MiB",
+          "PyTorch MiB"]
+PEER_HEADER = ["case", "peer", "peer time", "peer/attnpp [IQR]", "float64 check", "note"]
+PEER_LEFT = (0, 1, 5)
 
 
-def print_table(rows):
-    """Left-aligned names, right-aligned numbers, columns two spaces apart."""
-    widths = [max(len(r[i]) for r in [HEADER] + rows) for i in range(len(HEADER))]
-    for r in [HEADER] + rows:
-        print("  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))))
+def peer_rows(results):
+    """The peers' table: one row per case and engine (--against): its median time, the ratios t_peer / t_attnpp of
+    the rounds, its error against float64 and the tolerance met, and its note; a skipped engine keeps its row."""
+    rows = []
+    for r in results:
+        for title, peer in getattr(r, "peers", {}).items():
+            if peer.skipped:  # (its check failed: the error it had; else it did not run)
+                check = "-" if peer.error is None else f"{peer.error:.1e} > {peer.tolerance:.2g}"
+                rows.append([r.case.name, title, "skipped", "-", check, peer.skipped])
+            else:
+                rows.append([r.case.name, title, fmt_time(np.median(peer.times)), fmt_ratio(ratio_quartiles(r, peer)),
+                             f"{peer.error:.1e} <= {peer.tolerance:.2g}", peer.note])
+    return rows
+
+
+def print_table(rows, header=HEADER, left=(0,)):
+    """Columns two spaces apart: those of ``left`` (names, notes) left-aligned, the others (numbers) right-aligned."""
+    widths = [max(len(r[i]) for r in [header] + rows) for i in range(len(header))]
+    for r in [header] + rows:
+        print("  ".join(c.ljust(w) if i in left else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))).rstrip())
 
 
 def capability_line():
@@ -72,7 +113,7 @@ def sgemm_line(results, n, rates, numpy_threads):
     best, median = max(forward), float(np.median(forward))
     share = lambda gflops: f"{gflops / rates['PyTorch']:.0%}"
     return line + (f"attnpp sdpa fwd over {len(forward)} cases: best {best:.1f} GFLOP/s = {share(best)} of "
-                   f"PyTorch's sgemm, median {median:.1f} GFLOP/s = {share(median)} (the issue's target: >= "
+                   f"PyTorch's sgemm, median {median:.1f} GFLOP/s = {share(median)} (issue 37's target: >= "
                    f"{SGEMM_TARGET:.0%})")
 
 
@@ -98,10 +139,11 @@ def target_line(result):
     return head + f"ratio {ratio:.2f}, issue {result.case.issue}'s target >= {result.case.target}: {verdict}"
 
 
-def print_report(results, repeats, min_sample, quick, load, sgemm):
-    """The header (setup and method), the table (``results``: a Result or Skipped per case), a line per skipped
-    case, the cases' own lines (memory, FlexAttention's compile), the targets met or not, the sgemm line (``sgemm``:
-    the arguments of sgemm_line after the results) and the note on the ratios."""
+def print_report(results, repeats, min_sample, quick, load, sgemm, peers=None):
+    """The header (setup and method; the peers of ``peers``, a peers.Peers, and a line per engine not installed),
+    the table (``results``: a Result or Skipped per case), the peers' table, a line per skipped case, the cases' own
+    lines (memory, FlexAttention's compile), the targets met or not, the GEMM lines (``sgemm``: the arguments of
+    sgemm_line after the results) and the note on the ratios."""
     print(f"attnpp {attnpp.__version__} vs PyTorch {torch.__version__} (CPU), float32 unless a case names its dtype"
           f"{' (--quick)' if quick else ''}")
     print(f"threads: attnpp {attnpp.get_num_threads()}, PyTorch {torch.get_num_threads()} | repeats: {repeats} "
@@ -114,9 +156,24 @@ def print_report(results, repeats, min_sample, quick, load, sgemm):
           "the articles' layers in eval mode (dropout off) on both sides")
     print("MiB: growth of the peak resident set (VmHWM) during one call after warm-up, inputs already allocated "
           "(temporaries + outputs + gradients)")
+    n, rates, _ = sgemm
+    print("GFLOP/s: attnpp's, FlashAttention's count (forward 4 B H L S D, halved when causal; backward 2.5 times the "
+          "forward); % of GEMM: of the same run's GEMM rate in the case's dtype (bfloat16: PyTorch's bfloat16 "
+          "product, else its float32 one, see the GEMM lines)")
+    if peers is not None:
+        print(peers.header() if peers.engines else "peers (--against): none installed")
+        for line in peers.missing:
+            print(line)
     print()
-    print_table([row(r) for r in results])
+    print_table([row(r, rates) for r in results])
     print()
+    peer_table = peer_rows(results)
+    if peer_table:
+        print("peers, forward only: each engine's first call checked against float64 (the error it had, the "
+              "tolerance it met), then timed in the same rounds as the case (a, t, then each peer); peer/attnpp = "
+              "peer time / attnpp time of each round, median [25th-75th percentile]; above 1: attnpp faster")
+        print_table(peer_table, PEER_HEADER, PEER_LEFT)
+        print()
     for r in results:
         if isinstance(r, Skipped):
             print(f"skipped {r.case.name}: {r.reason}")
@@ -132,7 +189,6 @@ def print_report(results, repeats, min_sample, quick, load, sgemm):
         for r in targeted:
             print(target_line(r))
     print(sgemm_line(results, *sgemm))
-    n, rates, _ = sgemm
     print(bfloat16_gemm_line(results, n, rates["PyTorch bfloat16"]))
     print("ratio = PyTorch time / attnpp time of each alternating pair (a, t, a, t, ...): median [25th-75th "
           "percentile] over the pairs; above 1: attnpp faster")

@@ -8,7 +8,12 @@ One JSON object::
                 processes' load, the run's --note),
      "run": {"quick", "repeats", "min_sample_s"},
      "cases": [one record per case, in the table's order (case_record)],
-     "sgemm": {"n", "gflops": {"PyTorch", "NumPy", "PyTorch bfloat16"}, "numpy_threads"}}
+     "sgemm": {"n", "gflops": {"PyTorch", "NumPy", "PyTorch bfloat16"}, "numpy_threads"},
+     "peers": {"versions": {engine title: version}, "missing": [a line per engine not installed]}, or null without
+              --against}
+
+Fields are only ever added (a reader of the first files still reads the new ones): ``gemm_share`` and ``peers`` in
+the case records and the run's ``peers`` came with issue 37.
 """
 from __future__ import annotations
 
@@ -19,7 +24,7 @@ import numpy as np
 
 from .case import Skipped
 from .machine import describe
-from .report import attnpp_gflops, ratio_quartiles
+from .report import attnpp_gflops, gemm_share, ratio_quartiles
 
 FORMAT = "attnpp-bench-results/1"
 
@@ -29,12 +34,27 @@ def _quartiles(values):
     return tuple(float(v) for v in np.percentile(np.asarray(values, dtype=float), [25, 50, 75]))
 
 
-def case_record(result):
+def peer_record(result, peer):
+    """A peer engine on a case as data: like a side's figures (median, IQR, samples, calls per sample), the ratios
+    t_peer / t_attnpp of the rounds, the error of its output against float64 and the tolerance, its note; or
+    ``"skipped": reason`` (with the error where its check failed)."""
+    check = {"error": peer.error, "tolerance": peer.tolerance, "note": peer.note or None}
+    if peer.skipped:
+        return {"skipped": peer.skipped, **check}
+    q1, median, q3 = _quartiles(peer.times)
+    r1, ratio, r3 = (float(v) for v in ratio_quartiles(result, peer))
+    return {"median_s": median, "iqr_s": [q1, q3], "samples_s": [float(t) for t in peer.times],
+            "calls_per_sample": int(peer.calls), "ratio": {"median": ratio, "iqr": [r1, r3]}, **check}
+
+
+def case_record(result, rates):
     """One case as data: its name, dtype, target (and the issue that set it), and, if measured, for each side
     ("attnpp", "torch") the median seconds per call with the interquartile range of the samples, the calls per
     sample, the peak memory growth (MiB, None where it cannot be measured), then the ratio t_torch / t_attnpp of the
-    alternating pairs (median and quartiles), attnpp's GFLOP/s, whether the target was met, and the case's own
-    line under the table. A skipped case has ``"skipped": reason`` instead of the figures."""
+    alternating pairs (median and quartiles), attnpp's GFLOP/s and their share of the GEMM rate of the case's dtype
+    (``rates``: sgemm_gflops'), whether the target was met, the case's own line under the table, and its peers
+    (peer_record, by engine title; {} without --against). A skipped case has ``"skipped": reason`` instead of the
+    figures."""
     case = result.case
     record = {"name": case.name, "dtype": case.dtype, "target": case.target,
               "issue": case.issue if case.target is not None else None}
@@ -49,23 +69,26 @@ def case_record(result):
             sides[side]["total_s"] = float(np.sum(times)) * calls
     q1, ratio, q3 = (float(v) for v in ratio_quartiles(result))
     line = case.summary(result) if case.summary else ""
+    share = gemm_share(result, rates)
     return {**record, **sides, "ratio": {"median": ratio, "iqr": [q1, q3]},
             "attnpp_gflops": None if case.flops is None else float(attnpp_gflops(result)),
+            "gemm_share": None if share is None else float(share),
             "target_met": None if case.target is None else ratio >= case.target,
-            "line": line or None}
+            "line": line or None, "peers": {title: peer_record(result, peer) for title, peer in result.peers.items()}}
 
 
-def write(path, results, *, argv, quick, repeats, min_sample, load, sgemm, note=None):
-    """Write the run (``results``: a Result or Skipped per case; ``sgemm``: (n, rates, NumPy's threads)) to
-    ``path`` as JSON."""
+def write(path, results, *, argv, quick, repeats, min_sample, load, sgemm, note=None, peers=None):
+    """Write the run (``results``: a Result or Skipped per case; ``sgemm``: (n, rates, NumPy's threads); ``peers``:
+    the run's peers.Peers, None without --against) to ``path`` as JSON."""
     n, rates, numpy_threads = sgemm
     data = {"format": FORMAT,
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "command": ["python", "-m", "attnpp.bench", *argv],
             "machine": describe(load, note),
             "run": {"quick": quick, "repeats": repeats, "min_sample_s": min_sample},
-            "cases": [case_record(r) for r in results],
-            "sgemm": {"n": n, "gflops": {k: float(v) for k, v in rates.items()}, "numpy_threads": numpy_threads}}
+            "cases": [case_record(r, rates) for r in results],
+            "sgemm": {"n": n, "gflops": {k: float(v) for k, v in rates.items()}, "numpy_threads": numpy_threads},
+            "peers": None if peers is None else {"versions": peers.versions, "missing": peers.missing}}
     with open(path, "w") as f:
         json.dump(data, f, indent=1, ensure_ascii=False)
         f.write("\n")

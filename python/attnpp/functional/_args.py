@@ -9,7 +9,7 @@ import numpy as np
 
 from .. import _core
 from .._checks import (as_ndarray, check_alibi_slopes, check_array, check_choice, check_dtype, check_int,
-                       check_scale, check_seed, check_sinks, check_softcap, check_window, compute_dtype)
+                       check_scale, check_sinks, check_softcap, check_window, compute_dtype)
 
 _CAUSAL = {"top_left": _core.Causal.top_left, "bottom_right": _core.Causal.bottom_right}
 ALIGNMENTS = tuple(_CAUSAL)
@@ -120,14 +120,6 @@ def attention_params(batch, Hq, dtype, *, scale, causal=_core.Causal.none, dropo
     if sinks is not None:
         params.sinks = check_sinks(sinks, Hq, dtype)
     return params
-
-
-def check_backward_seed(seed, dropout_p, need_seed):
-    """The dropout seed of an attention call (``check_seed``); a backward (``need_seed``) with dropout_p > 0 needs
-    the forward's: ValueError for None."""
-    if need_seed and dropout_p > 0 and seed is None:
-        raise ValueError("seed: the backward with dropout_p > 0 needs the seed given to the forward")
-    return check_seed(seed, used=dropout_p > 0)
 
 
 def check_saved(dtype, grad_output, output, logsumexp):

@@ -9,11 +9,11 @@ from typing import NamedTuple, Optional
 import numpy as np
 
 from .. import _core
-from .._checks import (MAX_ELEMENTS, broadcast_shape, check_array, check_bool, check_probability, check_scale,
-                       compute_dtype)
+from .._checks import (MAX_ELEMENTS, broadcast_shape, check_array, check_bool, check_probability, check_query_heads,
+                       check_scale, check_seed, compute_dtype)
 from .._pool import empty as _empty, zeros as _zeros
 from . import _args
-from ._args import (additive_mask, attention_params, causal_mode, check_backward_seed, check_saved,
+from ._args import (additive_mask, attention_params, causal_mode, check_saved,
                     last_dim_contiguous, mask_arg, plain_causal_mode, score_scale)
 
 
@@ -38,7 +38,7 @@ class _Problem:
         causal = causal_mode(is_causal, causal_alignment)
         if is_causal and attn_mask is not None:
             raise ValueError("attn_mask must be None when is_causal=True (as in PyTorch): pass one or the other")
-        self.seed = check_backward_seed(seed, dropout_p, need_seed)
+        self.seed = check_seed(seed, used=dropout_p > 0, backward=need_seed and "dropout_p")
         self.unbatched = query.ndim == 2 and key.ndim == 2 and (value is None or value.ndim == 2)
         self._sizes(query, key, value, enable_gqa)
         self.q4 = self._as4(query, self.Hq, self.L, self.D)
@@ -64,10 +64,8 @@ class _Problem:
             if query.ndim < 3 or key.ndim < 3 or (value is not None and value.ndim < 3):
                 raise ValueError("enable_gqa=True needs a heads dimension (-3) in query, key and value")
             Hq, Hk, Hv = q_lead[-1], k_lead[-1], v_lead[-1]
-            if Hk == 0 or Hv == 0 or Hq % Hk or Hq % Hv:
-                raise ValueError(f"enable_gqa=True: query heads must be a multiple of key heads and of value "
-                                 f"heads; got query {query.shape}, key {key.shape}, value "
-                                 f"{None if value is None else value.shape}")
+            heads = {"key": (key.shape, Hk)} if value is None else {"key": (key.shape, Hk), "value": (value.shape, Hv)}
+            check_query_heads((query.shape, Hq), "enable_gqa=True: ", **heads)
             batch = broadcast_shape("query, key and value batch dimensions", q_lead[:-1], k_lead[:-1],
                                     v_lead[:-1])
         else:

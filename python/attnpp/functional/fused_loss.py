@@ -8,7 +8,7 @@ import numpy as np
 
 from .. import _core
 from .._checks import (HALVES, check_array, check_bool, check_ignore_index, check_index, check_label_smoothing,
-                       check_loss_grad, check_reduction, compute_dtype)
+                       check_loss_grad, check_reduction, check_softcap, compute_dtype)
 from .._pool import zeros as _zeros
 
 
@@ -28,9 +28,9 @@ class LinearCrossEntropyForward(NamedTuple):
     grads: Optional[tuple]
 
 
-def _linear_cross_entropy_args(input, weight, target, bias, ignore_index, reduction, label_smoothing):
+def _linear_cross_entropy_args(input, weight, target, bias, ignore_index, reduction, label_smoothing, softcap):
     """The checked arguments: input (N, E) and target (N,) flattened, C-contiguous weight and bias, the target's
-    shape, label_smoothing as a float."""
+    shape, label_smoothing and softcap as floats (softcap 0: none)."""
     input = check_array(input, "input", min_ndim=1)
     weight = check_array(weight, "weight", ndim=2, dtype=input.dtype)
     E, V = input.shape[-1], weight.shape[0]
@@ -45,16 +45,17 @@ def _linear_cross_entropy_args(input, weight, target, bias, ignore_index, reduct
     check_reduction(reduction)
     check_ignore_index(ignore_index)
     label_smoothing = check_label_smoothing(label_smoothing)
+    softcap = check_softcap(softcap) or 0.0
     tgt = check_index(target, "target", V, allowed=ignore_index)
     if tgt.shape != input.shape[:-1]:
         raise ValueError(f"target: expected shape {input.shape[:-1]} (the input's without E), got {tgt.shape} for "
                          f"input {input.shape}")
     x = np.ascontiguousarray(input).reshape(-1, E)
-    return x, np.ascontiguousarray(weight), bias, tgt.reshape(-1), tgt.shape, label_smoothing
+    return x, np.ascontiguousarray(weight), bias, tgt.reshape(-1), tgt.shape, label_smoothing, softcap
 
 
 def linear_cross_entropy_forward(input, weight, target, bias=None, *, ignore_index=-100, reduction="mean",
-                                 label_smoothing=0.0, compute_grads=True):
+                                 label_smoothing=0.0, softcap=None, compute_grads=True):
     """``linear_cross_entropy`` that also returns what its backward needs, and, for a scalar loss, the gradients.
 
     For the "mean" and "sum" reductions the gradient of the logits is known in the forward (dloss/dloss_i is
@@ -68,8 +69,17 @@ def linear_cross_entropy_forward(input, weight, target, bias=None, *, ignore_ind
     Returns:
         ``LinearCrossEntropyForward(loss, logsumexp, grads)``, a named tuple.
     """
-    x, w, b, tgt, shape, eps = _linear_cross_entropy_args(input, weight, target, bias, ignore_index, reduction,
-                                                          label_smoothing)
+    out = _forward_unrounded(input, weight, target, bias, ignore_index, reduction, label_smoothing, softcap,
+                             compute_grads)
+    return out._replace(loss=np.asarray(out.loss, dtype=input.dtype))  # (input: checked an ndarray by then)
+
+
+def _forward_unrounded(input, weight, target, bias, ignore_index, reduction, label_smoothing, softcap,
+                       compute_grads):
+    """``linear_cross_entropy_forward`` with the loss in the compute dtype (float32 for half precision) before its
+    rounding to the input's: what attnpp.torch's operator returns (transformers' causal-LM loss is float32)."""
+    x, w, b, tgt, shape, eps, cap = _linear_cross_entropy_args(input, weight, target, bias, ignore_index, reduction,
+                                                               label_smoothing, softcap)
     check_bool(compute_grads, "compute_grads")
     (N, E), V, dt = x.shape, w.shape[0], x.dtype
     acc = compute_dtype(dt)  # (half precision: losses, log-sum-exp and reduction in float32)
@@ -81,7 +91,7 @@ def linear_cross_entropy_forward(input, weight, target, bias=None, *, ignore_ind
         row_weight = np.where(kept, acc.type(1.0 / max(count, 1) if reduction == "mean" else 1.0), acc.type(0))
         grads = (_zeros((N, E), dt), _zeros((V, E), dt), None if b is None else _zeros((V,), dt))
     _core.linear_cross_entropy(losses, lse, *(grads or (None, None, None)), row_weight, x, w, b, tgt,
-                               int(ignore_index), eps)
+                               int(ignore_index), eps, cap)
     if reduction == "none":
         loss = losses.reshape(shape)
     elif reduction == "sum":
@@ -91,11 +101,11 @@ def linear_cross_entropy_forward(input, weight, target, bias=None, *, ignore_ind
             loss = losses.sum(dtype=acc) / acc.type(count)
     if grads is not None:
         grads = (grads[0].reshape(np.shape(input)),) + grads[1:]
-    return LinearCrossEntropyForward(np.asarray(loss, dtype=dt), lse.reshape(shape), grads)
+    return LinearCrossEntropyForward(np.asarray(loss, dtype=acc), lse.reshape(shape), grads)
 
 
 def linear_cross_entropy(input, weight, target, bias=None, *, ignore_index=-100, reduction="mean",
-                         label_smoothing=0.0):
+                         label_smoothing=0.0, softcap=None):
     """``cross_entropy(linear(input, weight, bias), target)`` fused, as ``torch.nn.functional.cross_entropy``
     of ``torch.nn.functional.linear``'s logits, without ever holding the (N, V) logits.
 
@@ -108,8 +118,9 @@ def linear_cross_entropy(input, weight, target, bias=None, *, ignore_index=-100,
     cross-entropy (Hsu et al., 2024).
 
     ``loss_i = logsumexp(z_i) - (1 - label_smoothing) z_i[target_i] - label_smoothing * mean_j z_ij`` with
-    ``z = input @ weight.T + bias``, 0 where target_i is ``ignore_index``; then the mean over the rows not
-    ignored (NaN when there are none, as PyTorch), the sum, or none.
+    ``z = input @ weight.T + bias`` (soft-capped with ``softcap``: ``z = softcap * tanh(z / softcap)``), 0 where
+    target_i is ``ignore_index``; then the mean over the rows not ignored (NaN when there are none, as PyTorch),
+    the sum, or none.
 
     Args:
         input (ndarray): (*, E), float32, float64, float16 or bfloat16 (half precision: computed in float32 on
@@ -121,6 +132,9 @@ def linear_cross_entropy(input, weight, target, bias=None, *, ignore_index=-100,
         reduction (str): ``"mean"`` | ``"sum"`` | ``"none"``. Default: ``"mean"``.
         label_smoothing (float): in [0, 1], the share of the target's probability spread evenly over the V
             classes (Szegedy et al., 2016), as PyTorch's. Default: 0.0.
+        softcap (float, optional): logit soft-capping, the logits ``softcap * tanh(z / softcap)`` before the
+            softmax (Gemma 2's ``final_logit_softcapping``; Gemma Team, "Gemma 2", 2024); None or 0: none.
+            Default: None.
 
     Returns:
         ndarray: a 0-d array (mean, sum) or the losses of the target's shape (none), of the input's dtype.
@@ -129,21 +143,22 @@ def linear_cross_entropy(input, weight, target, bias=None, *, ignore_index=-100,
         TypeError: non-float input, weight or bias of another dtype, a non-integer target, ignore_index not an
             int, label_smoothing not a number. ValueError: a weight whose width is not the input's last dimension, a
             bias not (V,), a target not of the input's shape without E, an unknown reduction, label_smoothing outside
-            [0, 1]. IndexError: a target outside [0, V) other than ignore_index. All before any compute.
+            [0, 1], a softcap that is negative or not finite. IndexError: a target outside [0, V) other than
+            ignore_index. All before any compute.
     """
     return linear_cross_entropy_forward(input, weight, target, bias, ignore_index=ignore_index,
-                                        reduction=reduction, label_smoothing=label_smoothing,
+                                        reduction=reduction, label_smoothing=label_smoothing, softcap=softcap,
                                         compute_grads=False).loss
 
 
 def linear_cross_entropy_backward(grad_output, input, weight, target, logsumexp, bias=None, *, ignore_index=-100,
-                                  reduction="mean", label_smoothing=0.0, grads=None):
+                                  reduction="mean", label_smoothing=0.0, softcap=None, grads=None):
     """Gradients of ``linear_cross_entropy``: (grad_input (*, E), grad_weight (V, E), grad_bias (V,) or None).
 
     Args:
         grad_output (float or ndarray): the gradient of the loss: a number or a 0-d array for "mean" and "sum",
             an array of the loss's shape for "none"; arrays of the input's dtype.
-        input, weight, target, bias, ignore_index, reduction, label_smoothing: as given to the forward.
+        input, weight, target, bias, ignore_index, reduction, label_smoothing, softcap: as given to the forward.
         logsumexp (ndarray): the forward's (``LinearCrossEntropyForward.logsumexp``).
         grads (tuple, optional): the forward's ``grads`` (scalar reductions): multiplied by grad_output in place
             and returned, no recompute. Default: None (each chunk's logits recomputed from logsumexp).
@@ -152,8 +167,8 @@ def linear_cross_entropy_backward(grad_output, input, weight, target, logsumexp,
         as ``linear_cross_entropy``; and TypeError/ValueError: a grad_output, logsumexp or grads of another
             type, dtype or shape than the loss's, the target's and the forward's gradients'.
     """
-    x, w, b, tgt, shape, eps = _linear_cross_entropy_args(input, weight, target, bias, ignore_index, reduction,
-                                                          label_smoothing)
+    x, w, b, tgt, shape, eps, cap = _linear_cross_entropy_args(input, weight, target, bias, ignore_index, reduction,
+                                                               label_smoothing, softcap)
     dt, acc = x.dtype, compute_dtype(x.dtype)
     check_loss_grad(grad_output, dt, shape if reduction == "none" else ())
     g = np.asarray(grad_output, dtype=acc)
@@ -183,5 +198,5 @@ def linear_cross_entropy_backward(grad_output, input, weight, target, logsumexp,
     (N, E), V = x.shape, w.shape[0]
     out = (_zeros((N, E), dt), _zeros((V, E), dt), None if b is None else _zeros((V,), dt))
     _core.linear_cross_entropy_backward(np.ascontiguousarray(lse, dtype=acc).reshape(-1), *out, row_weight, x, w, b,
-                                        tgt, int(ignore_index), eps)
+                                        tgt, int(ignore_index), eps, cap)
     return (out[0].reshape(np.shape(input)),) + out[1:]

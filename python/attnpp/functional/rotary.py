@@ -2,13 +2,15 @@
 
 Shape letters: B... batch dimensions, H heads, L sequence length, D head width, P positions, R rotary_dim.
 """
+import functools
 import math
 import numbers
 
 import numpy as np
 
 from .. import _core
-from .._checks import as_ndarray, check_array, check_bool, check_dtype, check_int, check_rotary_base
+from .._checks import (as_ndarray, check_array, check_bool, check_dtype, check_int, check_rotary_base,
+                       check_rotary_dim)
 from .._pool import empty as _empty, zeros as _zeros
 
 ROTARY_BASE = 10000.0  # the default base of RoPE's frequencies (RoFormer, Llama's rope_theta)
@@ -37,14 +39,27 @@ def rotary_tables(max_positions, rotary_dim, base=ROTARY_BASE, dtype=np.float32)
     Source: Su et al., "RoFormer: Enhanced Transformer with Rotary Position Embedding" (2021).
     """
     max_positions = check_int(max_positions, "max_positions")
-    rotary_dim = check_int(rotary_dim, "rotary_dim", minimum=1)
-    if rotary_dim % 2:
-        raise ValueError(f"rotary_dim must be even (features are rotated in pairs), got {rotary_dim}")
+    rotary_dim = check_rotary_dim(rotary_dim)
     base = check_rotary_base(base, "base")
     dtype = check_dtype(dtype)
     inv_freq = base ** (-np.arange(0, rotary_dim, 2, dtype=np.float64) / rotary_dim)  # (R/2,)
     angle = np.arange(max_positions, dtype=np.float64)[:, None] * inv_freq                     # (P, R/2)
     return np.cos(angle).astype(dtype), np.sin(angle).astype(dtype)
+
+
+
+@functools.lru_cache(maxsize=16)
+def _shared_tables(size, rotary_dim, base, dtype):
+    cos, sin = rotary_tables(size, rotary_dim, base, dtype)
+    cos.flags.writeable = sin.flags.writeable = False  # (shared by every caller)
+    return cos, sin
+
+
+def cached_rotary_tables(positions, rotary_dim, base, dtype):
+    """``rotary_tables`` for at least ``positions`` positions (rounded up to a power of two >= 64), computed once
+    per (size, rotary_dim, base, dtype) and shared read-only: the tables of layers and of ``attnpp.torch``'s
+    operator, so that decoding token by token computes them a few times only."""
+    return _shared_tables(max(64, 1 << (int(positions) - 1).bit_length()), rotary_dim, float(base), np.dtype(dtype))
 
 
 def _rotary_args(input, cos, sin, interleaved, position_offset, name):

@@ -169,9 +169,7 @@ def dropout_backward(grad_output, p, seed):
     """
     grad_output = check_array(grad_output, "grad_output")
     p = check_probability(p, "p")
-    if seed is None and p > 0:
-        raise ValueError("seed: dropout_backward with p > 0 needs the seed given to the forward, got None")
-    seed = check_seed(seed, used=p > 0)
+    seed = check_seed(seed, used=p > 0, backward="p")
     grad = _zeros(grad_output.shape, grad_output.dtype)
     if p == 0.0:
         return grad + grad_output

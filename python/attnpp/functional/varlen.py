@@ -8,10 +8,10 @@ import numbers
 import numpy as np
 
 from .. import _core
-from .._checks import (HALVES, as_ndarray, check_array, check_bool, check_cumulative, check_probability,
-                       compute_dtype)
+from .._checks import (as_ndarray, check_array, check_bool, check_cache_dtype, check_cumulative,
+                       check_probability, check_query_heads, check_seed, compute_dtype)
 from .._pool import empty as _empty, zeros as _zeros
-from ._args import (attention_params, causal_mode, check_backward_seed, check_saved, last_dim_contiguous,
+from ._args import (attention_params, causal_mode, check_saved, last_dim_contiguous,
                     score_scale)
 from .attention import AttentionForward
 
@@ -30,9 +30,7 @@ class _Varlen:
         if key.shape[2] != self.D or value.shape[:2] != key.shape[:2]:
             raise ValueError(f"query (Tq, Hq, D), key (Tk, Hk, D) and value (Tk, Hk, Dv) do not agree: query "
                              f"{query.shape}, key {key.shape}, value {value.shape}")
-        if self.Hk == 0 or self.Hq % self.Hk:
-            raise ValueError(f"query heads must be a multiple of key heads (GQA), got query {query.shape} and key "
-                             f"{key.shape}")
+        check_query_heads((query.shape, self.Hq), key=(key.shape, self.Hk))
         cu_q = check_cumulative(cu_seqlens_q, "cu_seqlens_q", self.Tq)
         cu_k = check_cumulative(cu_seqlens_k, "cu_seqlens_k", self.Tk)
         if cu_q.shape != cu_k.shape:
@@ -41,7 +39,7 @@ class _Varlen:
         self.B = cu_q.shape[0] - 1
         check_probability(dropout_p, "dropout_p")
         causal = causal_mode(check_bool(is_causal, "is_causal"), causal_alignment)
-        self.seed = check_backward_seed(seed, dropout_p, need_seed)
+        self.seed = check_seed(seed, used=dropout_p > 0, backward=need_seed and "dropout_p")
         self.params = attention_params(
             (self.B,), self.Hq, dt, scale=score_scale(scale, self.D), causal=causal, dropout_p=float(dropout_p),
             seed=self.seed, window=window, alibi_slopes=alibi_slopes, softcap=softcap, sinks=sinks,
@@ -175,9 +173,7 @@ def scaled_dot_product_attention_with_kvcache(query, key_cache, value_cache, cac
     query = check_array(query, "query", ndim=4)
     key_cache = check_array(key_cache, "key_cache", ndim=4, written=True)
     dt = key_cache.dtype  # (the caches' dtype: the query's, or half precision under float32 queries)
-    if query.dtype != dt and not (dt in HALVES and query.dtype == np.float32):
-        raise TypeError(f"key_cache: expected dtype {query.dtype} (the query's), or float16 or bfloat16 under "
-                        f"float32 queries, got {dt}")
+    check_cache_dtype(dt, query.dtype, "key_cache")
     value_cache = check_array(value_cache, "value_cache", ndim=4, dtype=dt, written=True)
     B, Hq, L, D = query.shape
     _, Hk, S_max, _ = key_cache.shape
@@ -185,9 +181,7 @@ def scaled_dot_product_attention_with_kvcache(query, key_cache, value_cache, cac
         raise ValueError(f"key_cache (B, Hk, S_max, D) and value_cache (B, Hk, S_max, Dv) must agree with query "
                          f"(B, Hq, L, D); got query {query.shape}, key_cache {key_cache.shape}, value_cache "
                          f"{value_cache.shape}")
-    if Hk == 0 or Hq % Hk:
-        raise ValueError(f"query heads must be a multiple of the cache's heads (GQA), got query {query.shape} and "
-                         f"key_cache {key_cache.shape}")
+    check_query_heads((query.shape, Hq), key_cache=(key_cache.shape, Hk))
     Dv = value_cache.shape[3]
     if isinstance(cache_seqlens, numbers.Integral) and not isinstance(cache_seqlens, bool):
         cache_seqlens = np.array(cache_seqlens)

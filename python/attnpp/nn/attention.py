@@ -6,18 +6,21 @@ from .. import _core
 from .. import _checks as checks
 from .. import functional as F
 from .._pool import empty, zeros
-from ..functional.rotary import ROTARY_BASE
+from ..functional.rotary import ROTARY_BASE, cached_rotary_tables
 from ..grad_mode import no_grad
 from .attention_config import (attention_config, attention_config_of,  # noqa: F401 (importable from here too)
-                               cached_rotary_tables, variant_args)
+                               variant_args)
 from .dropout import Dropout
 from .kv_cache import KVCache
 from .linear import Linear
 from .module import Module, locked
 from .weight_loading import WeightLoading
 
-# (attnpp.torch imports the layer's cache of RoPE tables under its former name, from here)
-rotary_tables = cached_rotary_tables
+
+def rotary_tables(layer, positions, dtype):
+    """The RoPE tables (cos, sin) (P, rotary_dim / 2) of ``layer`` (an ``Attention``) in ``dtype``, P >=
+    ``positions``: ``functional.rotary``'s shared cache."""
+    return cached_rotary_tables(positions, layer.rotary_dim, layer.rotary_base, dtype)
 
 
 class Attention(WeightLoading, Module):
@@ -173,13 +176,8 @@ class Attention(WeightLoading, Module):
         """RoPE on (B, H, T, d) query or key heads at positions offset .. offset + T - 1 (offset an int or (B,)
         ints), or its backward on their gradient: a new (B, H, T, d) array."""
         rotate = F.rotary_embedding_backward if backward else F.rotary_embedding
-        return rotate(heads, *cached_rotary_tables(self, int(np.max(offset, initial=0)) + heads.shape[2], heads.dtype),
+        return rotate(heads, *rotary_tables(self, int(np.max(offset, initial=0)) + heads.shape[2], heads.dtype),
                       interleaved=self.rotary_interleaved, position_offset=offset)
-
-    def __getstate__(self):  # (the RoPE tables are recomputed when needed, not copied)
-        state = super().__getstate__()
-        state.pop("_rotary_tables", None)
-        return state
 
     @locked
     def forward(self, x, context=None, key_padding_mask=None, need_weights=False, *, seed=None, kv_cache=None):
@@ -278,9 +276,7 @@ class Attention(WeightLoading, Module):
             raise ValueError(f"max_length={max_length} exceeds the layer's context_length={self.context_length}")
         H = self.num_heads
         dtype = self.dtype if dtype is None else checks.check_dtype(dtype)
-        if dtype != self.dtype and not (dtype in checks.HALVES and self.dtype == np.float32):
-            raise TypeError(f"dtype: expected the layer's {self.dtype}, or float16 or bfloat16 under a float32 "
-                            f"layer, got {dtype}")
+        checks.check_cache_dtype(dtype, self.dtype, "dtype")
         return KVCache(batch_size, H, max_length, self.qk_dim // H, self.v_dim // H, dtype=dtype)
 
     def _check_decoding(self):
@@ -309,12 +305,10 @@ class Attention(WeightLoading, Module):
             raise ValueError(f"x: expected (B, L_new, embed_dim) = ({cache.batch_size}, L_new, {self.embed_dim}) "
                              f"(the cache's batch size), got {x.shape}")
         want = ((B, H, cache.max_length, self.qk_dim // H), (B, H, cache.max_length, self.v_dim // H))
-        fits = cache.dtype == self.dtype or (cache.dtype in checks.HALVES and self.dtype == np.float32)
-        if (cache.key.shape, cache.value.shape) != want or not fits:
-            raise ValueError(f"kv_cache: expected key {want[0]} and value {want[1]} of {np.dtype(self.dtype)} "
-                             f"(this layer's heads and widths; or of a half-precision dtype under a float32 layer), "
-                             f"got key {cache.key.shape} and value {cache.value.shape} of {cache.dtype}: make it "
-                             f"with init_kv_cache")
+        checks.check_cache_dtype(cache.dtype, self.dtype, "kv_cache")
+        if (cache.key.shape, cache.value.shape) != want:
+            raise ValueError(f"kv_cache: expected key {want[0]} and value {want[1]} (this layer's heads and widths), "
+                             f"got key {cache.key.shape} and value {cache.value.shape}: make it with init_kv_cache")
         lengths = cache.lengths
         if not isinstance(lengths, np.ndarray) or lengths.dtype != np.int64 or lengths.shape != (B,):
             raise ValueError(f"kv_cache.lengths: expected an int64 array ({B},)")

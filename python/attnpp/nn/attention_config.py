@@ -1,6 +1,5 @@
 """An attention layer's configuration, shared by ``attnpp.nn.Attention`` and ``attnpp.torch.Attention``: the checked
-widths and options (``attention_config``), the RoPE tables a layer keeps (``cached_rotary_tables``) and the
-variant options of its ``repr`` (``variant_args``).
+widths and options (``attention_config``) and the variant options of its ``repr`` (``variant_args``).
 
 Shape letters: H heads, P positions, R rotary_dim.
 """
@@ -67,13 +66,7 @@ def _alibi_slopes(alibi, num_heads):
         raise TypeError(f"alibi: expected a bool or an array of num_heads={num_heads} slopes, got "
                         f"{type(alibi).__name__}")
     slopes = np.asarray(to_numpy(alibi, "alibi") if hasattr(alibi, "detach") else alibi)
-    if slopes.dtype.kind != "f":
-        raise TypeError(f"alibi: expected float slopes, got dtype {slopes.dtype}")
-    if slopes.shape != (num_heads,):
-        raise ValueError(f"alibi: expected slopes of shape (num_heads,) = ({num_heads},), got {slopes.shape}")
-    if not np.isfinite(slopes).all():
-        raise ValueError(f"alibi: expected finite slopes, got {slopes.tolist()}")
-    return np.array(slopes, dtype=np.float64)
+    return checks.check_alibi_slopes(slopes, (), num_heads, np.float64, name="alibi").reshape(num_heads)
 
 
 def _rotary_config(rotary, rotary_dim, rotary_base, rotary_interleaved, head_dim):
@@ -92,26 +85,9 @@ def _rotary_config(rotary, rotary_dim, rotary_base, rotary_interleaved, head_dim
             raise ValueError(f"rotary=True: the head width qk_dim / num_heads = {head_dim} is odd; RoPE rotates "
                              f"pairs of features: give an even rotary_dim < {head_dim}")
         rotary_dim = head_dim
-    rotary_dim = checks.check_int(rotary_dim, "rotary_dim", 2)
-    if rotary_dim % 2 or rotary_dim > head_dim:
-        raise ValueError(f"rotary_dim must be even and at most the head width qk_dim / num_heads = {head_dim}, "
-                         f"got {rotary_dim}")
+    rotary_dim = checks.check_rotary_dim(rotary_dim, head_dim)
     return dict(rotary=True, rotary_dim=rotary_dim, rotary_base=float(rotary_base),
                 rotary_interleaved=rotary_interleaved)
-
-
-def cached_rotary_tables(layer, positions, dtype):
-    """The (cos, sin) RoPE tables (P, rotary_dim / 2) of ``layer`` (an ``Attention``, attnpp's or attnpp.torch's)
-    in ``dtype``, for at least ``positions`` positions. Kept in ``layer._rotary_tables`` and grown by doubling (up
-    to context_length), so that decoding token by token computes them a few times only."""
-    cache = layer.__dict__.get("_rotary_tables")
-    if cache is None or cache[0].dtype != dtype or cache[0].shape[0] < positions:
-        size = max(positions, 64, 2 * (0 if cache is None else cache[0].shape[0]))
-        if layer.context_length is not None:
-            size = max(positions, min(size, layer.context_length))
-        cache = F.rotary_tables(size, layer.rotary_dim, layer.rotary_base, dtype)
-        layer.__dict__["_rotary_tables"] = cache
-    return cache
 
 
 def variant_args(layer):

@@ -12,6 +12,8 @@ Layout: ``_convert`` (tensor checks, NumPy views, error classes, PyTorch's mask 
 operators), ``functional`` (the functions), ``modules`` (the modules), ``distributed`` (ring attention).
 
 - ``scaled_dot_product_attention``: as ``torch.nn.functional.scaled_dot_product_attention``.
+- ``scaled_dot_product_attention_varlen``: packed sequences of different lengths, as FlashAttention's
+  ``flash_attn_varlen_func``.
 - ``linear`` and ``Linear``: as ``torch.nn.functional.linear`` and ``torch.nn.Linear``.
 - ``linear_cross_entropy``: ``cross_entropy(linear(...))`` fused, without the (N, V) logits.
 - ``MultiheadAttention``: as ``torch.nn.MultiheadAttention`` (its subclass: same parameters, state dict and
@@ -46,8 +48,9 @@ output and the log-sum-exp are saved for the backward, memory grows with L, not 
 
 from ._convert import TorchTypeError, TorchValueError, from_numpy, to_numpy
 from ._convert import check_tensor as _check_tensor  # noqa: F401 (attnpp.torch.distributed imports it from here)
-from .functional import linear, linear_cross_entropy, scaled_dot_product_attention
+from .functional import (linear, linear_cross_entropy, scaled_dot_product_attention,
+                         scaled_dot_product_attention_varlen)
 from .modules import Attention, Linear, MultiheadAttention
 
-__all__ = ["scaled_dot_product_attention", "linear", "linear_cross_entropy", "Linear", "MultiheadAttention",
-           "Attention", "from_numpy", "to_numpy", "TorchValueError", "TorchTypeError"]
+__all__ = ["scaled_dot_product_attention", "scaled_dot_product_attention_varlen", "linear", "linear_cross_entropy",
+           "Linear", "MultiheadAttention", "Attention", "from_numpy", "to_numpy", "TorchValueError", "TorchTypeError"]

@@ -12,9 +12,12 @@ int; an empty (0,) tensor stands for a gradient not computed):
 
 - ``attnpp::sdpa_forward`` -> (output (B..., Hq, L, Dv), logsumexp (B..., Hq, L)), ``attnpp::sdpa_backward``
   -> (grad_query, grad_key, grad_value, grad_sinks (Hq,) or (0,)), ``attnpp::sdpa_weights`` -> (B..., Hq, L, S).
+- ``attnpp::sdpa_varlen_forward`` -> (output (Tq, Hq, Dv), logsumexp (Hq, Tq)), ``attnpp::sdpa_varlen_backward``
+  -> (grad_query, grad_key, grad_value, grad_sinks (Hq,) or (0,)): packed sequences (cu_seqlens_q, cu_seqlens_k).
 - ``attnpp::linear`` -> (*, Fout), ``attnpp::linear_backward`` -> (grad_input, grad_weight, grad_bias).
-- ``attnpp::linear_cross_entropy_forward`` -> (loss, logsumexp, grad_input, grad_weight, grad_bias), the
-  gradients computed in the forward for the scalar reductions when ``compute_grads``;
+- ``attnpp::linear_cross_entropy_forward`` -> (loss, logsumexp, grad_input, grad_weight, grad_bias), the loss
+  and logsumexp in the compute dtype (float32 for half precision), the gradients computed in the forward for the
+  scalar reductions when ``compute_grads``;
   ``attnpp::linear_cross_entropy_backward`` -> (grad_input, grad_weight, grad_bias).
 - ``attnpp::rotary_embedding`` and ``attnpp::rotary_embedding_backward``: RoPE of (B..., H, T, D) heads at
   positions ``position_offset`` .. ``position_offset + T - 1``, tables of ``rotary_dim`` and ``base``.
@@ -29,6 +32,8 @@ import torch
 from torch import Tensor
 
 from .. import functional as AF
+from ..functional.fused_loss import _forward_unrounded
+from ..functional.rotary import cached_rotary_tables
 from ._convert import from_numpy, to_numpy, torch_errors
 
 _HALVES = (torch.float16, torch.bfloat16)
@@ -167,6 +172,7 @@ def _(grad_output, query, key, value, output, logsumexp, attn_mask, sinks, *opti
 
 
 def _sdpa_setup_context(ctx, inputs, output):
+    # (both attention operators, sdpa's and varlen's: their 7 tensor arguments first, then the options)
     ctx.save_for_backward(*inputs[:7], *output)
     ctx.options = inputs[7:]
 
@@ -248,6 +254,58 @@ def _(query, key, attn_mask, sinks, alibi_slopes, key_padding_mask, logsumexp, d
 sdpa_weights.register_vmap(_loop_rule(sdpa_weights))
 
 
+# ---------------------------------------------------------------------------------------------- varlen
+@torch.library.custom_op("attnpp::sdpa_varlen_forward", mutates_args=(), device_types="cpu")
+@torch_errors
+def sdpa_varlen_forward(query: Tensor, key: Tensor, value: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
+                        sinks: Optional[Tensor], alibi_slopes: Optional[Tensor], dropout_p: float, is_causal: bool,
+                        scale: Optional[float], seed: Optional[int], causal_alignment: str,
+                        window: Optional[List[int]], softcap: Optional[float]) -> Tuple[Tensor, Tensor]:
+    output, lse, _ = AF.scaled_dot_product_attention_varlen_forward(
+        *map(to_numpy, (query, key, value, cu_seqlens_q, cu_seqlens_k)), dropout_p, is_causal, scale, seed=seed,
+        causal_alignment=causal_alignment, window=_window(window), alibi_slopes=to_numpy(alibi_slopes),
+        softcap=softcap, sinks=to_numpy(sinks))
+    return from_numpy(output), from_numpy(lse)
+
+
+@sdpa_varlen_forward.register_fake
+def _(query, key, value, cu_seqlens_q, cu_seqlens_k, *options):
+    return (query.new_empty(query.shape[:2] + value.shape[2:]),
+            query.new_empty((query.shape[1], query.shape[0]), dtype=_acc(query.dtype)))
+
+
+@torch.library.custom_op("attnpp::sdpa_varlen_backward", mutates_args=(), device_types="cpu")
+@torch_errors
+def sdpa_varlen_backward(grad_output: Tensor, query: Tensor, key: Tensor, value: Tensor, output: Tensor,
+                         logsumexp: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, sinks: Optional[Tensor],
+                         alibi_slopes: Optional[Tensor], dropout_p: float, is_causal: bool, scale: Optional[float],
+                         seed: Optional[int], causal_alignment: str, window: Optional[List[int]],
+                         softcap: Optional[float]) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    grads = AF.scaled_dot_product_attention_varlen_backward(
+        *map(to_numpy, (grad_output, query, key, value, output, logsumexp, cu_seqlens_q, cu_seqlens_k)), dropout_p,
+        is_causal, scale, seed=seed, causal_alignment=causal_alignment, window=_window(window),
+        alibi_slopes=to_numpy(alibi_slopes), softcap=softcap, sinks=to_numpy(sinks))
+    return (*map(from_numpy, grads[:3]), from_numpy(grads[3]) if len(grads) > 3 else _none(query))
+
+
+@sdpa_varlen_backward.register_fake
+def _(grad_output, query, key, value, output, logsumexp, cu_seqlens_q, cu_seqlens_k, sinks, *options):
+    return _new(query), _new(key), _new(value), _none(query) if sinks is None else _new(sinks)
+
+
+def _varlen_backward_formula(ctx, grad_output, _grad_lse):
+    query, key, value, cu_q, cu_k, sinks, alibi_slopes, output, lse = ctx.saved_tensors
+    grads = _apply_sdpa_varlen_backward(grad_output, query, key, value, output, lse, cu_q, cu_k, sinks,
+                                        alibi_slopes, *ctx.options)
+    return (*grads[:3], None, None, None if sinks is None else grads[3]) + (None,) * (1 + len(ctx.options))
+
+
+apply_sdpa_varlen = _differentiable(sdpa_varlen_forward, _varlen_backward_formula, _sdpa_setup_context)
+sdpa_varlen_forward.register_vmap(_loop_rule(sdpa_varlen_forward))
+sdpa_varlen_backward.register_vmap(_loop_rule(sdpa_varlen_backward))
+_apply_sdpa_varlen_backward = _backward_of(sdpa_varlen_backward)
+
+
 # ----------------------------------------------------------------------------------------------- linear
 @torch.library.custom_op("attnpp::linear", mutates_args=(), device_types="cpu")
 @torch_errors
@@ -309,19 +367,18 @@ _apply_linear_backward = _backward_of(linear_backward)
 @torch.library.custom_op("attnpp::linear_cross_entropy_forward", mutates_args=(), device_types="cpu")
 @torch_errors
 def linear_cross_entropy_forward(input: Tensor, weight: Tensor, target: Tensor, bias: Optional[Tensor],
-                                 ignore_index: int, reduction: str, label_smoothing: float,
+                                 ignore_index: int, reduction: str, label_smoothing: float, softcap: float,
                                  compute_grads: bool) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    out = AF.linear_cross_entropy_forward(*map(to_numpy, (input, weight, target, bias)), ignore_index=ignore_index,
-                                          reduction=reduction, label_smoothing=label_smoothing,
-                                          compute_grads=compute_grads)
+    out = _forward_unrounded(*map(to_numpy, (input, weight, target, bias)), ignore_index, reduction, label_smoothing,
+                             softcap, compute_grads)
     grads = [_none(input) if g is None else from_numpy(g) for g in (out.grads or (None,) * 3)]
     return (from_numpy(out.loss), from_numpy(out.logsumexp), *grads)
 
 
 @linear_cross_entropy_forward.register_fake
-def _(input, weight, target, bias, ignore_index, reduction, label_smoothing, compute_grads):
+def _(input, weight, target, bias, ignore_index, reduction, label_smoothing, softcap, compute_grads):
     grads = compute_grads and reduction != "none"
-    return (input.new_empty(target.shape if reduction == "none" else ()),
+    return (input.new_empty(target.shape if reduction == "none" else (), dtype=_acc(input.dtype)),
             input.new_empty(target.shape, dtype=_acc(input.dtype)),
             _new(input) if grads else _none(input), _new(weight) if grads else _none(input),
             _new(bias) if grads and bias is not None else _none(input))
@@ -331,10 +388,10 @@ def _(input, weight, target, bias, ignore_index, reduction, label_smoothing, com
 @torch_errors
 def linear_cross_entropy_backward(grad_output: Tensor, input: Tensor, weight: Tensor, target: Tensor,
                                   logsumexp: Tensor, bias: Optional[Tensor], ignore_index: int, reduction: str,
-                                  label_smoothing: float) -> Tuple[Tensor, Tensor, Tensor]:
+                                  label_smoothing: float, softcap: float) -> Tuple[Tensor, Tensor, Tensor]:
     grads = AF.linear_cross_entropy_backward(*map(to_numpy, (grad_output, input, weight, target, logsumexp, bias)),
                                              ignore_index=ignore_index, reduction=reduction,
-                                             label_smoothing=label_smoothing)
+                                             label_smoothing=label_smoothing, softcap=softcap)
     return tuple(_none(input) if g is None else from_numpy(g) for g in grads)
 
 
@@ -344,21 +401,22 @@ def _(grad_output, input, weight, target, logsumexp, bias, *options):
 
 
 def _lce_setup_context(ctx, inputs, output):
-    input, weight, target, bias, ignore_index, reduction, label_smoothing, compute_grads = inputs
+    input, weight, target, bias, ignore_index, reduction, label_smoothing, softcap, compute_grads = inputs
     ctx.precomputed = compute_grads and reduction != "none"
-    ctx.options = (ignore_index, reduction, label_smoothing)
+    ctx.options = (ignore_index, reduction, label_smoothing, softcap)
     ctx.save_for_backward(input, weight, target, bias, *output[1:])
 
 
 def _lce_backward_formula(ctx, grad_loss, *_):
     input, weight, target, bias, lse, *grads = ctx.saved_tensors
+    grad_loss = grad_loss.to(input.dtype)  # (the loss is float32 for half precision; its gradient in the input's)
     if ctx.precomputed:  # the forward's gradients (those of a loss of gradient 1), scaled
-        grads = [g * grad_loss.to(g.dtype) for g in grads]
+        grads = [g * grad_loss for g in grads]
     else:
         grads = _apply_linear_cross_entropy_backward(grad_loss, input, weight, target, lse, bias, *ctx.options)
     need = ctx.needs_input_grad
     return (grads[0] if need[0] else None, grads[1] if need[1] else None, None,
-            grads[2] if bias is not None and need[3] else None, None, None, None, None)
+            grads[2] if bias is not None and need[3] else None, None, None, None, None, None)
 
 
 apply_linear_cross_entropy = _differentiable(linear_cross_entropy_forward, _lce_backward_formula,
@@ -369,15 +427,9 @@ _apply_linear_cross_entropy_backward = _backward_of(linear_cross_entropy_backwar
 
 
 # ------------------------------------------------------------------------------------------------ rotary
-@functools.lru_cache(maxsize=32)
-def _rotary_tables(positions, rotary_dim, base, dtype):
-    """(cos, sin) ndarrays (P, rotary_dim / 2) of ``dtype`` for P >= ``positions`` (a power of two >= 64)."""
-    return AF.rotary_tables(max(64, 1 << (positions - 1).bit_length()), rotary_dim, base, dtype)
-
-
 def _rotary(function, x, rotary_dim, base, interleaved, position_offset):
     x_np = to_numpy(x)
-    cos, sin = _rotary_tables(position_offset + x.shape[-2], rotary_dim, base, x_np.dtype)
+    cos, sin = cached_rotary_tables(position_offset + x.shape[-2], rotary_dim, base, x_np.dtype)
     return from_numpy(function(x_np, cos, sin, interleaved=interleaved, position_offset=position_offset))
 
 

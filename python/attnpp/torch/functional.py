@@ -1,5 +1,5 @@
 """attnpp.torch's functions: ``scaled_dot_product_attention``, ``linear`` and ``linear_cross_entropy``, as
-PyTorch's, computed by attnpp's operators (``attnpp.torch._ops``), their backward through autograd.
+PyTorch's, and ``scaled_dot_product_attention_varlen`` (packed sequences, as FlashAttention's), computed by attnpp's operators (``attnpp.torch._ops``), their backward through autograd.
 
 Every tensor argument is checked first (``_convert.check_tensor``: plain strided tensors on the CPU, or meta and
 tracing tensors for shapes; PyTorch's ``CausalBias`` masks read as causal flags, never as memory), then the
@@ -16,19 +16,23 @@ from . import _ops
 from ._convert import (FLOATS, causal_bias_flags, check_plain, check_same_device, check_tensor, draw_seed, from_numpy,
                        to_numpy, torch_errors)
 
-__all__ = ["scaled_dot_product_attention", "linear", "linear_cross_entropy"]
+__all__ = ["scaled_dot_product_attention", "scaled_dot_product_attention_varlen", "linear", "linear_cross_entropy"]
 _check_seed = torch_errors(check_seed)
+
+
+def _check_scalars(is_causal, scale, window, softcap, causal_alignment):
+    """The attention's scalar options checked by functional's checks, before the operator, whose schema would
+    raise RuntimeError for a wrong type or take an int for a bool: (is_causal, scale, window, softcap)."""
+    check_choice(causal_alignment, "causal_alignment", ALIGNMENTS)
+    return check_bool(is_causal, "is_causal"), check_scale(scale), check_window(window), check_softcap(softcap)
 
 
 @torch_errors
 def _attention(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, seed, causal_alignment,
                need_weights=False, window=None, alibi_slopes=None, softcap=None, sinks=None, key_padding_mask=None):
     """The checked attention call of every public entry: (output, weights or None, the dropout seed or None)."""
-    # (the scalars first, with functional's checks: the operator's schema would raise RuntimeError for a wrong
-    # type, or take an int for a bool)
-    is_causal, enable_gqa = check_bool(is_causal, "is_causal"), check_bool(enable_gqa, "enable_gqa")
-    scale, window, softcap = check_scale(scale), check_window(window), check_softcap(softcap)
-    check_choice(causal_alignment, "causal_alignment", ALIGNMENTS)
+    is_causal, scale, window, softcap = _check_scalars(is_causal, scale, window, softcap, causal_alignment)
+    enable_gqa = check_bool(enable_gqa, "enable_gqa")
     for t, name in ((query, "query"), (key, "key"), (value, "value")):
         check_tensor(t, name)
     if attn_mask is not None:
@@ -148,6 +152,52 @@ def _plain_attention(query, key, value, dropout_p, is_causal, scale, enable_gqa,
     return None if plain is None else from_numpy(plain[0])
 
 
+@torch_errors
+def scaled_dot_product_attention_varlen(query, key, value, cu_seqlens_q, cu_seqlens_k, dropout_p=0.0,
+                                        is_causal=False, scale=None, *, seed=None, causal_alignment="top_left",
+                                        window=None, alibi_slopes=None, softcap=None, sinks=None):
+    """Attention over sequences of different lengths packed end to end, without padding, as FlashAttention's
+    ``flash_attn_varlen_func``, differentiable in ``query``, ``key``, ``value`` (and ``sinks``) through attnpp's
+    backward: sequence b's queries, rows ``cu_seqlens_q[b]`` to ``cu_seqlens_q[b + 1]``, attend only to its keys,
+    rows ``cu_seqlens_k[b]`` to ``cu_seqlens_k[b + 1]``; no work and no memory for pairs across sequences.
+
+    Args:
+        query (Tensor): (Tq, Hq, D), float32, float64, float16 or bfloat16, on the CPU.
+        key (Tensor): (Tk, Hk, D), same dtype; Hq a multiple of Hk (grouped-query attention).
+        value (Tensor): (Tk, Hk, Dv), same dtype.
+        cu_seqlens_q, cu_seqlens_k (Tensor): (B + 1,) integers, the cumulative lengths 0, L_0, L_0 + L_1, ..., Tq
+            (resp. Tk).
+        dropout_p, is_causal, scale, seed, causal_alignment, window, alibi_slopes, softcap, sinks: as in
+            ``scaled_dot_product_attention``, per sequence (each one's own L and S; alibi_slopes (Hq,) or (B, Hq)).
+
+    Returns:
+        Tensor (Tq, Hq, Dv).
+
+    Raises:
+        TorchValueError, TorchTypeError: as ``attnpp.functional.scaled_dot_product_attention_varlen`` (offsets
+            that do not run from 0 to Tq (Tk) without decreasing, shapes that do not agree, bad options), and for
+            tensors off the CPU, of another dtype, or of a subclass.
+    """
+    _check_seed(seed, used=False)
+    is_causal, scale, window, softcap = _check_scalars(is_causal, scale, window, softcap, causal_alignment)
+    for t, name in ((query, "query"), (key, "key"), (value, "value")):
+        check_tensor(t, name)
+    for t, name in ((cu_seqlens_q, "cu_seqlens_q"), (cu_seqlens_k, "cu_seqlens_k")):
+        check_plain(t, name)
+    if sinks is not None:
+        check_tensor(sinks, "sinks")
+    if alibi_slopes is not None:
+        alibi_slopes = check_tensor(alibi_slopes if isinstance(alibi_slopes, torch.Tensor) else
+                                    torch.as_tensor(alibi_slopes), "alibi_slopes").detach()
+    check_same_device(query, ("key", key), ("value", value), ("cu_seqlens_q", cu_seqlens_q),
+                      ("cu_seqlens_k", cu_seqlens_k), ("sinks", sinks), ("alibi_slopes", alibi_slopes))
+    if check_probability(dropout_p, "dropout_p") > 0 and seed is None:
+        seed = draw_seed()
+    return _ops.apply_sdpa_varlen(query, key, value, cu_seqlens_q, cu_seqlens_k, sinks, alibi_slopes,
+                                  float(dropout_p), is_causal, scale, seed, causal_alignment,
+                                  None if window is None else list(window), softcap)[0]
+
+
 def linear(input, weight, bias=None):
     """``input @ weight.T + bias``, as ``torch.nn.functional.linear``, differentiable through attnpp's backward.
 
@@ -175,9 +225,8 @@ def _check_linear_args(input, weight, bias):
     check_same_device(input, ("weight", weight), ("bias", bias))
 
 
-@torch_errors
 def linear_cross_entropy(input, weight, target, bias=None, *, ignore_index=-100, reduction="mean",
-                         label_smoothing=0.0):
+                         label_smoothing=0.0, softcap=None):
     """``torch.nn.functional.cross_entropy(torch.nn.functional.linear(input, weight, bias), target, ...)`` fused:
     attnpp's ``linear_cross_entropy``, differentiable in input, weight and bias, without the (N, V) logits.
 
@@ -188,6 +237,8 @@ def linear_cross_entropy(input, weight, target, bias=None, *, ignore_index=-100,
         bias (Tensor, optional): (V,). Default: None.
         ignore_index, reduction, label_smoothing: as ``torch.nn.functional.cross_entropy``'s (defaults -100,
             ``"mean"``, 0.0).
+        softcap (float, optional): logit soft-capping, ``softcap * tanh(logits / softcap)`` before the softmax
+            (Gemma 2's final logits); None: none. Default: None.
 
     Returns:
         Tensor: the loss, 0-d (mean, sum) or of the target's shape (none), the input's dtype.
@@ -198,6 +249,16 @@ def linear_cross_entropy(input, weight, target, bias=None, *, ignore_index=-100,
     (raised as TorchValueError, TorchTypeError); and TorchValueError for a tensor not on the CPU,
     TorchTypeError for one of another dtype or a tensor subclass.
     """
+    loss = linear_cross_entropy_float(input, weight, target, bias, ignore_index=ignore_index, reduction=reduction,
+                                      label_smoothing=label_smoothing, softcap=softcap)
+    return loss.to(input.dtype)
+
+
+@torch_errors
+def linear_cross_entropy_float(input, weight, target, bias=None, *, ignore_index=-100, reduction="mean",
+                               label_smoothing=0.0, softcap=None):
+    """``linear_cross_entropy`` with the loss in the compute dtype, float32 for half precision (the input's
+    otherwise), before its rounding: as transformers' causal-LM loss, computed from float32 logits."""
     _check_linear_args(input, weight, bias)
     check_plain(target, "target")
     # (the scalars with functional's checks, before the operator's schema, which would raise RuntimeError for a
@@ -205,7 +266,6 @@ def linear_cross_entropy(input, weight, target, bias=None, *, ignore_index=-100,
     ignore_index, reduction = check_ignore_index(ignore_index), check_reduction(reduction)
     label_smoothing = check_label_smoothing(label_smoothing)
     compute_grads = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (input, weight, bias))
-    loss = _ops.apply_linear_cross_entropy(input, weight, target, bias, ignore_index, reduction, label_smoothing,
-                                           compute_grads)
+    loss = _ops.apply_linear_cross_entropy(input, weight, target, bias, ignore_index, reduction,
+                                           float(label_smoothing), float(check_softcap(softcap) or 0.0), compute_grads)
     return loss[0]
-
