@@ -149,7 +149,9 @@ HF_NO_FLOAT64 = {"gpt_oss"}  # its experts' grouped matmul takes float32 and the
 
 def hf_config(name):
     """A small configuration of the architecture ``name`` (of ``HF_NAMES``): windows of ``HF_WINDOW`` tokens,
-    Gemma 2's soft-capping (50 on the scores, 30 on the logits, its defaults), gpt-oss's sinks and experts."""
+    Gemma 2's soft-capping (50 on the scores, 30 on the logits, its defaults), gpt-oss's sinks and experts; no
+    dropout (GPT-2's defaults to 0.1: two training steps, or a step and its float64 reference, would draw other
+    masks)."""
     import transformers as tf
     base, window = HF_BASE, HF_WINDOW
     return {
@@ -162,7 +164,8 @@ def hf_config(name):
         "gpt_oss": lambda: tf.GptOssConfig(**base, sliding_window=window, head_dim=16, num_local_experts=4,
                                            num_experts_per_tok=2),
         "phi3": lambda: tf.Phi3Config(**base, sliding_window=window, pad_token_id=0),
-        "gpt2": lambda: tf.GPT2Config(vocab_size=128, n_embd=64, n_layer=2, n_head=4, n_positions=128),
+        "gpt2": lambda: tf.GPT2Config(vocab_size=128, n_embd=64, n_layer=2, n_head=4, n_positions=128,
+                                      resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0),
         "smollm3": lambda: tf.SmolLM3Config(**base, pad_token_id=0),
         "olmo2": lambda: tf.Olmo2Config(**base),
     }[name]()

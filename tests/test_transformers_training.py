@@ -26,7 +26,6 @@ from helpers import HF_NAMES, HF_NO_FLOAT64, hf_bound, hf_config, hf_model
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 T = 16
-NO_DROPOUT = {"gpt2": dict(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)}
 
 
 def float64_loss(logits, labels, vocab_size, num_items_in_batch=None, ignore_index=-100, shift_labels=None,
@@ -43,12 +42,11 @@ def float64_loss(logits, labels, vocab_size, num_items_in_batch=None, ignore_ind
 def models(name, config=None):
     """(plain, fused, reference or None): the model with attnpp's attention, the same with apply(), and the
     float64 one with float64_loss (None for gpt-oss)."""
-    options = NO_DROPOUT.get(name, {})
-    plain = hf_model(name, "attnpp", config=config, **options)
-    fused = AT.apply(hf_model(name, "attnpp", weights=plain, config=config, **options))
+    plain = hf_model(name, "attnpp", config=config)
+    fused = AT.apply(hf_model(name, "attnpp", weights=plain, config=config))
     reference = None
     if name not in HF_NO_FLOAT64:
-        reference = hf_model(name, "attnpp", torch.float64, weights=plain, config=config, **options)
+        reference = hf_model(name, "attnpp", torch.float64, weights=plain, config=config)
         reference.loss_function = float64_loss
     return plain, fused, reference
 
@@ -112,6 +110,39 @@ def test_fused_step_equals_unpatched(name, accumulate):
 
 
 @pytest.mark.parametrize("name", HF_NAMES)
+def test_fused_step_in_bfloat16(name):
+    """bfloat16, a step with ignored labels. Every parameter's gradient with attnpp's attention and the fused loss,
+    against float64 (float32 for gpt-oss) of the same weights, within 1.5 times the error of the model with
+    transformers' eager attention and its own loss in bfloat16 (at least bfloat16's epsilon of the largest
+    gradient). The loss: float64's cross-entropy of the model's own bfloat16 last hidden states through its
+    bfloat16 lm_head (soft-capped where the model caps its logits), within twice PyTorch's float32 error on the
+    same logits. (Against the float64 model, a loss's error is that of the bfloat16 hidden states, one number of
+    either sign, larger or smaller than eager's by chance: no measure of the fused loss.)"""
+    eager = hf_model(name, "eager", torch.bfloat16)
+    fused = AT.apply(hf_model(name, "attnpp", torch.bfloat16, weights=eager))
+    reference = hf_model(name, "eager", torch.float32 if name in HF_NO_FLOAT64 else torch.float64, weights=eager)
+    reference.loss_function = float64_loss
+    batches = micro_batches(1)
+    ref, want, got = step(reference, batches), step(eager, batches), step(fused, batches)
+    limit = max(1.5 * (want[1] - ref[1]).abs().max().item(),
+                torch.finfo(torch.bfloat16).eps * ref[1].abs().max().item())
+    err = (got[1] - ref[1]).abs().max().item()
+    assert err <= limit, f"gradients: {err:.3g} > {limit:.3g} (1.5 x eager's bfloat16 error)"
+
+    ids, labels = batches[0]
+    with torch.no_grad():
+        hidden = fused.base_model(ids).last_hidden_state
+    cap = getattr(fused.config, "final_logit_softcapping", None)
+
+    def loss_in(dtype):
+        logits = hidden.to(dtype) @ fused.get_output_embeddings().weight.to(dtype).T
+        if cap:
+            logits = cap * torch.tanh(logits / cap)
+        return float64_loss(logits, labels, logits.shape[-1]).double()
+    assert_within(got[0], loss_in(torch.float64), loss_in(torch.float32), "loss")
+
+
+@pytest.mark.parametrize("name", HF_NAMES)
 def test_trainer_steps_equal_unpatched(name, tmp_path):
     """Trainer, 3 optimizer steps of 2 accumulated micro-batches (SGD: the parameters move by the gradients): the
     parameters after them with the fused loss against the model's own."""
@@ -125,7 +156,7 @@ def test_trainer_steps_equal_unpatched(name, tmp_path):
         tf.Trainer(model=model, args=args, train_dataset=data).train()
         trained.append(torch.cat([p.detach().double().flatten() for _, p in sorted(model.named_parameters())]))
     start = torch.cat([p.detach().double().flatten() for _, p in sorted(
-        hf_model(name, "attnpp", **NO_DROPOUT.get(name, {})).named_parameters())])
+        hf_model(name, "attnpp").named_parameters())])
     assert (trained[0] - start).abs().max() > 1e-3  # the steps moved the parameters
     assert_within(trained[1], trained[0], trained[2] if reference is not None else None, "parameters")
 
