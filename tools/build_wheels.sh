@@ -55,7 +55,7 @@ cp "$sdist" "$repaired" "$out/"
 "$PY" - "$out/$(basename "$repaired")" <<'EOF'
 import sys, zipfile
 with zipfile.ZipFile(sys.argv[1]) as z:
-    libs = [i for i in z.infolist() if ".libs/" in i.filename]
+    libs = [i for i in z.infolist() if ".libs/" in i.filename and not i.is_dir()]
     for i in libs:
         print(f"build_wheels.sh: bundled {i.filename} ({i.file_size / 1e6:.1f} MB)")
 EOF
