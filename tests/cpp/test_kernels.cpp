@@ -349,7 +349,7 @@ void test_linear_cross_entropy(int64_t N, int64_t E, int64_t V, double eps, doub
   std::vector<T> dx(size_t(N * E), zero), dw(size_t(V * E), zero), db(size_t(V), zero);
   table<T>().linear_cross_entropy(losses.data(), lse.data(), dx.data(), dw.data(), db.data(), g.data(), x.data(),
                                   w.data(), b.data(), target.data(), N, E, V, -100, eps, cap);
-  char tag[112];
+  char tag[160];
   std::snprintf(tag, sizeof tag, "linear_cross_entropy N=%lld E=%lld V=%lld eps=%g cap=%g %s ", (long long)N,
                 (long long)E, (long long)V, eps, cap, dtype_name<T>());
   check(std::string(tag) + "losses", losses, loss_ref, tolerance<C>());
