@@ -50,14 +50,16 @@ def available_memory():
 
 
 def cpu_seconds():
-    """(CPU seconds used by the whole machine, by this process, wall clock), or None where /proc/stat is missing."""
+    """(CPU seconds used by the whole machine, by this process and its ended children (the fine-tune cases' and
+    --capability's runs), wall clock), or None where /proc/stat is missing."""
     try:
         with open("/proc/stat") as f:
             ticks = [int(x) for x in f.readline().split()[1:9]]  # user nice system idle iowait irq softirq steal
     except (OSError, ValueError):
         return None
     own = os.times()
-    return (sum(ticks) - ticks[3] - ticks[4]) / os.sysconf("SC_CLK_TCK"), own.user + own.system, time.perf_counter()
+    mine = own.user + own.system + own.children_user + own.children_system
+    return (sum(ticks) - ticks[3] - ticks[4]) / os.sysconf("SC_CLK_TCK"), mine, time.perf_counter()
 
 
 def background_load(before):
