@@ -1,5 +1,6 @@
 """attnpp.torch's functions: ``scaled_dot_product_attention``, ``linear`` and ``linear_cross_entropy``, as
-PyTorch's, and ``scaled_dot_product_attention_varlen`` (packed sequences, as FlashAttention's), computed by attnpp's operators (``attnpp.torch._ops``), their backward through autograd.
+PyTorch's, and ``scaled_dot_product_attention_varlen`` (packed sequences, as FlashAttention's), computed by
+attnpp's operators (``attnpp.torch._ops``), their backward through autograd.
 
 Every tensor argument is checked first (``_convert.check_tensor``: plain strided tensors on the CPU, or meta and
 tracing tensors for shapes; PyTorch's ``CausalBias`` masks read as causal flags, never as memory), then the
