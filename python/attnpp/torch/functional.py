@@ -28,6 +28,22 @@ def _check_scalars(is_causal, scale, window, softcap, causal_alignment):
     return check_bool(is_causal, "is_causal"), check_scale(scale), check_window(window), check_softcap(softcap)
 
 
+def _check_sinks_and_slopes(sinks, alibi_slopes):
+    """Checks ``sinks``; returns ``alibi_slopes`` as a checked tensor without gradient (the slopes are constants,
+    as in FlashAttention), or None."""
+    if sinks is not None:
+        check_tensor(sinks, "sinks")
+    if alibi_slopes is None:
+        return None
+    return check_tensor(alibi_slopes if isinstance(alibi_slopes, torch.Tensor) else torch.as_tensor(alibi_slopes),
+                        "alibi_slopes").detach()
+
+
+def _dropout_seed(dropout_p, seed):
+    """The seed of a call: with dropout and none given, one drawn from torch's default generator."""
+    return draw_seed() if check_probability(dropout_p, "dropout_p") > 0 and seed is None else seed
+
+
 @torch_errors
 def _attention(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, seed, causal_alignment,
                need_weights=False, window=None, alibi_slopes=None, softcap=None, sinks=None, key_padding_mask=None):
@@ -42,17 +58,12 @@ def _attention(query, key, value, attn_mask, dropout_p, is_causal, scale, enable
             check_tensor(attn_mask, "attn_mask", mask=True)
         else:  # PyTorch's CausalBias: its meaning is the causal flag, its storage nothing
             (is_causal, causal_alignment), attn_mask = flags, None
-    if sinks is not None:
-        check_tensor(sinks, "sinks")
-    if alibi_slopes is not None:  # (slopes are constants: no gradient)
-        alibi_slopes = check_tensor(alibi_slopes if isinstance(alibi_slopes, torch.Tensor) else
-                                    torch.as_tensor(alibi_slopes), "alibi_slopes").detach()
+    alibi_slopes = _check_sinks_and_slopes(sinks, alibi_slopes)
     if key_padding_mask is not None:  # (a constant too)
         check_tensor(key_padding_mask, "key_padding_mask", mask=True)
     check_same_device(query, ("key", key), ("value", value), ("attn_mask", attn_mask), ("sinks", sinks),
                       ("alibi_slopes", alibi_slopes), ("key_padding_mask", key_padding_mask))
-    if check_probability(dropout_p, "dropout_p") > 0 and seed is None:
-        seed = draw_seed()
+    seed = _dropout_seed(dropout_p, seed)
     options = (float(dropout_p), is_causal, scale, enable_gqa, seed, causal_alignment,
                None if window is None else list(window), softcap)
     output, lse = _ops.apply_sdpa(query, key, value, attn_mask, sinks, alibi_slopes, key_padding_mask, *options)
@@ -185,15 +196,10 @@ def scaled_dot_product_attention_varlen(query, key, value, cu_seqlens_q, cu_seql
         check_tensor(t, name)
     for t, name in ((cu_seqlens_q, "cu_seqlens_q"), (cu_seqlens_k, "cu_seqlens_k")):
         check_plain(t, name)
-    if sinks is not None:
-        check_tensor(sinks, "sinks")
-    if alibi_slopes is not None:
-        alibi_slopes = check_tensor(alibi_slopes if isinstance(alibi_slopes, torch.Tensor) else
-                                    torch.as_tensor(alibi_slopes), "alibi_slopes").detach()
+    alibi_slopes = _check_sinks_and_slopes(sinks, alibi_slopes)
     check_same_device(query, ("key", key), ("value", value), ("cu_seqlens_q", cu_seqlens_q),
                       ("cu_seqlens_k", cu_seqlens_k), ("sinks", sinks), ("alibi_slopes", alibi_slopes))
-    if check_probability(dropout_p, "dropout_p") > 0 and seed is None:
-        seed = draw_seed()
+    seed = _dropout_seed(dropout_p, seed)
     return _ops.apply_sdpa_varlen(query, key, value, cu_seqlens_q, cu_seqlens_k, sinks, alibi_slopes,
                                   float(dropout_p), is_causal, scale, seed, causal_alignment,
                                   None if window is None else list(window), softcap)[0]
