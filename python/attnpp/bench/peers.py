@@ -85,12 +85,17 @@ def reference_rows(problem, rows):
     return out
 
 
-def check_error(problem, output):
-    """(error, rows checked): ``output``'s error against reference_rows on up to CHECK_ROWS rows spread evenly from
-    the first query row to the last, relative to the reference's scale above 1."""
+def check_reference(problem):
+    """(rows, their reference_rows): up to CHECK_ROWS query rows spread evenly from the first to the last."""
     L = problem.query.shape[2]
     rows = np.unique(np.linspace(0, L - 1, min(L, CHECK_ROWS)).round().astype(np.int64))
-    ref = reference_rows(problem, rows)
+    return rows, reference_rows(problem, rows)
+
+
+def check_error(problem, output, reference=None):
+    """(error, rows checked): ``output``'s error against ``reference`` (check_reference's, computed when None),
+    relative to the reference's scale above 1."""
+    rows, ref = check_reference(problem) if reference is None else reference
     got = np.asarray(output)[:, :, rows].astype(np.float64)
     return float(np.abs(got - ref).max() / max(1.0, np.abs(ref).max())), len(rows)
 
@@ -211,6 +216,7 @@ class Peers:
         that pass the check on ``problem``, and {engine title: PeerResult(skipped=reason)} for the others."""
         ready, skipped = {}, {}
         available = available_memory()
+        reference = None  # (computed once, at the first engine that runs)
         for engine in self.engines:
             need, what = engine.memory(problem) or (0, "")
             if available is not None and need > MEMORY_SHARE * available:
@@ -224,7 +230,8 @@ class Peers:
             except PeerUnavailable as error:
                 skipped[engine.title] = PeerResult(skipped=str(error))
                 continue
-            error, rows = check_error(problem, output)
+            reference = reference or check_reference(problem)
+            error, rows = check_error(problem, output, reference)
             tolerance = CHECK_TOLERANCE[problem.dtype]
             if not error <= tolerance:  # (NaN fails too)
                 skipped[engine.title] = PeerResult(error=error, tolerance=tolerance, note=note, skipped=(
