@@ -332,7 +332,8 @@ void backward(const View4<T>& dq, const View4<T>& dk, const View4<T>& dv, comput
   // dout and out for float and double, and for bfloat16 under flash numerics (as PyTorch's CPU flash kernel); else
   // for the halves from the blocks' P and dP, in a first walk over the task's blocks: the output was rounded to half
   // precision, and delta from it would carry that rounding into every dS = P (dP - delta), dq and dk (up to 5 times
-  // the error of PyTorch's float32-internal math backend). Summed in a fixed order, so results are reproducible.
+  // the error of PyTorch's float32-internal math backend). Summed in a fixed order, so results are reproducible,
+  // and with mul_add, as the products sum dP: where a row sees one key, dP - delta is exactly 0.
   const bool delta_from_blocks = is_half<T> && !cfg.flash_numerics;
   const int64_t bs = key_block(cfg), g = cfg.group();
   std::vector<C> dsink_nh(cfg.sinks && dsinks ? cfg.N * cfg.Hq : 0);  // each (n, h)'s share of the sinks' gradient
@@ -356,7 +357,7 @@ void backward(const View4<T>& dq, const View4<T>& dk, const View4<T>& dv, comput
           for (int64_t r = 0; r < g * vis.L; ++r) {
             const T *do_row = dout.at(n, hk * g + r / vis.L, vis.q0 + r % vis.L);
             const T *o_row = out.at(n, hk * g + r / vis.L, vis.q0 + r % vis.L);
-            for (int64_t c = 0; c < cfg.Dv; ++c) delta[r] += load(do_row[c]) * load(o_row[c]);
+            for (int64_t c = 0; c < cfg.Dv; ++c) delta[r] = mul_add(load(do_row[c]), load(o_row[c]), delta[r]);
           }
         // One walk over the task's blocks: with delta_walk, it sums its rows' delta; else the gradients.
         const auto walk = [&](bool delta_walk) {

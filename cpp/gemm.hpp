@@ -15,6 +15,7 @@
 #pragma once
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <memory>
@@ -32,6 +33,21 @@
 #define ATTNPP_UNROLL _Pragma("GCC unroll 16")
 
 namespace attnpp::ATTNPP_CPU_NS {
+
+// c + a * b as the micro-kernel's vector `acc += a * b` computes each lane: one rounding where the target has FMA
+// (GCC and Clang contract that expression to it there), two elsewhere. The products' scalar tails and the attention
+// backward's softmax term sum with it, so that a sum over k has the same bits whichever path computes it: where a
+// row sees a single key (P = 1, out = v), dP - rowsum(dO * out) is then exactly 0, as in PyTorch's math, instead of
+// a rounding of |dO| |v| carried into dq and dk.
+template <typename T>
+inline T mul_add(T a, T b, T c) {
+#if defined(__FMA__) || defined(__aarch64__)
+  return std::fma(a, b, c);
+#else
+  return c + a * b;
+#endif
+}
+
 namespace gemm_detail {
 
 // Register budget: MR * NV accumulators plus NV row vectors of B and one broadcast.
@@ -154,7 +170,7 @@ void gemm_rows(T* C, int64_t ldc, const T* A, int64_t ars, int64_t acs, const TB
   for (int64_t i = 0; i < M; ++i)  // the last N % W columns
     for (int64_t jj = j; jj < N; ++jj) {
       T sum = 0;
-      for (int64_t k = 0; k < K; ++k) sum += A[i * ars + k * acs] * load(B[k * ldb + jj]);
+      for (int64_t k = 0; k < K; ++k) sum = mul_add(A[i * ars + k * acs], load(B[k * ldb + jj]), sum);
       C[i * ldc + jj] = accumulate ? C[i * ldc + jj] + alpha * sum : alpha * sum;
     }
 }

@@ -262,3 +262,27 @@ def test_plain_call_errors_as_the_general_path(rng, kw, error):
     q, k, v = (rng.standard_normal((1, 2, 3, 4)).astype(np.float32) for _ in range(3))
     with pytest.raises(error, match=next(iter(kw))):
         AF.scaled_dot_product_attention_forward(q, k, v, **kw)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("S", [1, 8, 16, 40])
+@pytest.mark.parametrize("D", [8, 64])
+def test_a_row_that_sees_one_key_adds_nothing_to_dq_and_dk(rng, dtype, S, D):
+    """Where a row sees a single key, its weight is 1 and its output that key's value, so the scores' gradient
+    dP - rowsum(dO * out) is 0 and the row adds nothing to dq and dk: exactly, as PyTorch's math backend gives it,
+    whichever column of its key block the key sits in (the products' vector tiles and their scalar tail sum in the
+    same way as the softmax term). Then the gradients equal PyTorch's in that dtype bit for bit."""
+    L = 6
+    q, g = (3 * rng.standard_normal((2, 2, L, D)).astype(dtype) for _ in range(2))
+    k, v = (3 * rng.standard_normal((2, 2, S, D)).astype(dtype) for _ in range(2))
+    mask = np.zeros((L, S), bool)
+    mask[np.arange(L), (np.arange(L) * 5) % S] = True  # row i sees key 5i mod S alone
+    fwd = AF.scaled_dot_product_attention_forward(q, k, v, attn_mask=mask)
+    dq, dk, _ = AF.scaled_dot_product_attention_backward(g, q, k, v, fwd.output, fwd.logsumexp, attn_mask=mask)
+    tq, tk, tv = (torch.tensor(a, requires_grad=True) for a in (q, k, v))
+    with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.MATH):
+        out = torch.nn.functional.scaled_dot_product_attention(tq, tk, tv, attn_mask=torch.tensor(mask))
+    out.backward(torch.tensor(g))
+    np.testing.assert_array_equal(dq, tq.grad.numpy())
+    np.testing.assert_array_equal(dk, tk.grad.numpy())
+
