@@ -297,12 +297,17 @@ void forward(const View4<Q>& out, compute_t<T>* logsumexp, const View4<const Q>&
           C& lse = logsumexp[cfg.lse_index(n, h, i)];
           const C lse_prev = cfg.accumulate ? lse : neg_inf<C>();
           const C lse_keys = l(r) == 0 ? neg_inf<C>() : m(r) + std::log(l(r));
-          if (cfg.sinks) {  // the sink joins the denominator: lse = log(exp(lse_keys) + exp(sink))
-            lse = log_add_exp(lse_keys, cfg.sinks[h]);
-            if (l(r) == 0)
+          if (cfg.sinks) {  // the sink joins the denominator as a key would: l + exp(sink - m), both from mx
+            const C sink = cfg.sinks[h];
+            if (l(r) == 0) {
               o_row.setZero(cfg.Dv);
-            else
-              o_row = acc.row(r) * (std::exp(lse_keys - lse) / l(r));
+              lse = sink;
+            } else {  // (not exp(lse_keys - lse): the rounding of two log-sum-exps doubled the output's error)
+              const C mx = std::max(m(r), sink), keys = std::exp(m(r) - mx);
+              const C denominator = l(r) * keys + std::exp(sink - mx);
+              o_row = acc.row(r) * (keys / denominator);
+              lse = mx + std::log(denominator);
+            }
           } else if (l(r) == 0) {  // fully masked row: output 0, never NaN
             o_row.setZero(cfg.Dv);
             lse = neg_inf<C>();
