@@ -3,8 +3,9 @@ from its definitions, every variant of it)."""
 import numpy as np
 import torch
 
+import attnpp
 import attnpp.functional as F
-from attnpp.testing import reference, rotary_reference
+from attnpp.testing import reference, rotary_reference, variant_scores
 
 from . import api
 from .api import all_close, checked, close, f64, kind, randn, tensor
@@ -85,11 +86,53 @@ def dropout_keep(rng, kw, ref, shape):
         ref["keep"] = tensor(F.dropout_mask(shape, 0.25, kw["seed"]))
 
 
+def flash_kernel(q, k, v, ref, g=None):
+    """[output] and with ``g`` [the gradients of (output * g).sum() for query, key, value], as float64 arrays, from
+    PyTorch's CPU flash kernel in bfloat16 on the call ``ref`` (reference's arguments), the kernel whose numerics
+    attnpp's default takes for a bfloat16 call with D = Dv and no dropout (docs/design.md): the variants as the
+    float mask they are (attnpp.testing.variant_scores of zero scores), the sinks as one more key of zeros whose
+    mask is the sink's logit, the heads repeated for GQA. None where the kernel cannot take the call as it is: a
+    soft cap (no mask expresses it), a bias that bfloat16 does not hold exactly (ALiBi's), or a row that sees
+    nothing (the kernel's output there is not attnpp's 0)."""
+    N, Hq, L, _ = q.shape
+    S = k.shape[2]
+    if "softcap" in ref or "keep" in ref:
+        return None
+    kw = {n: ref[n] for n in ("attn_mask", "is_causal", "causal_alignment", "window", "alibi_slopes") if n in ref}
+    bias = variant_scores(torch.zeros(N, Hq, L, S, dtype=torch.float64), **kw)
+    tq, tk, tv = (tensor(a, g is not None, torch.bfloat16) for a in (q, k, v))
+    keys, values = (t.repeat_interleave(Hq // t.shape[1], dim=1) for t in (tk, tv))
+    if "sinks" in ref:
+        sink = ref["sinks"].detach().to(torch.float64)[None, :, None, None].expand(N, Hq, L, 1)
+        bias = torch.cat([bias, sink], dim=-1)
+        keys, values = (torch.cat([t, t.new_zeros(N, Hq, 1, t.shape[-1])], dim=2) for t in (keys, values))
+    if torch.isinf(bias).all(dim=-1).any() or not torch.equal(bias.to(torch.bfloat16).to(torch.float64), bias):
+        return None  # (a bias that bfloat16 does not hold exactly, ALiBi's, would change the problem)
+    with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.FLASH_ATTENTION):
+        out = TF.scaled_dot_product_attention(tq, keys, values, attn_mask=bias.to(torch.bfloat16),
+                                              scale=ref.get("scale", 1 / np.sqrt(q.shape[-1])))
+    results = [out]
+    if g is not None:
+        (out * tensor(g, dtype=torch.bfloat16)).sum().backward()
+        results += [tq.grad, tk.grad, tv.grad]
+    return [r.detach().to(torch.float64).numpy() for r in results]
+
+
 def attention_reference(q, k, v, ref, g=None, weights=False):
     """reference(torch dtype) -> [output] (the weights instead with ``weights``: the attention of an identity
     value), and with ``g`` the gradients of (output * g).sum() for query, key, value (and sinks): attnpp.testing's
-    reference computed in that dtype from the arrays' values, as float64 arrays."""
+    reference computed in that dtype from the arrays' values, as float64 arrays. In bfloat16, for a call that takes
+    the flash numerics (D = Dv, no dropout, under attnpp's default), the results of PyTorch's flash kernel where it
+    takes the call (flash_kernel; the sinks' gradient, which it does not give, from the reference)."""
     def compute_in(dtype):
+        if (dtype == torch.bfloat16 and not weights and q.shape[-1] == v.shape[-1]
+                and attnpp.get_bfloat16_attention() != "float32"):
+            flash = flash_kernel(q, k, v, ref, g)
+            if flash is not None:
+                return flash + (compute_math(dtype)[4:] if g is not None and "sinks" in ref else [])
+        return compute_math(dtype)
+
+    def compute_math(dtype):
         kw = {n: t.detach().to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t
               for n, t in ref.items()}
         grad = g is not None
