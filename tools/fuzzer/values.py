@@ -74,8 +74,8 @@ class Arr:
             sl = tuple(slice(0, 1) if z else slice(None) for z in zero)
             self.values = values = np.ascontiguousarray(np.broadcast_to(values[sl], values.shape))
         self.base = None
-        if layout.get("native"):  # NumPy's own array (NumPy 2 gives empty arrays strides 0)
-            self.view, self.unaligned = np.array(values, copy=True), False
+        if layout.get("native"):  # NumPy's own C-ordered array (NumPy 2 gives empty arrays strides 0)
+            self.view, self.unaligned = np.array(values, copy=True, order="C"), False
             if readonly:
                 self.view.flags.writeable = False
             return
