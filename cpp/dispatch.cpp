@@ -58,8 +58,8 @@ const X86Features& x86() {
 #endif
 
 // Whether the CPU (and the operating system, which must save the wider registers) runs a level's code: exactly the
-// features of the -march the level is built with.
-bool cpu_supports(const std::string& level) {
+// features of the -march the level is built with. (Unused where only the baseline is built: aarch64.)
+[[maybe_unused]] bool cpu_supports(const std::string& level) {
 #if defined(__x86_64__)
   if (level == "avx2") return x86().v3();
   if (level == "avx512") return x86().v4();
