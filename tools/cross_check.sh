@@ -11,7 +11,7 @@
 #      each run if this CPU has the level; the default level's binary also under qemu-x86_64 -cpu Nehalem (SSE4.2,
 #      no AVX). Each checks float32, float64, bfloat16 and float16.
 #   c. the INSTALLED attnpp package (pip install . first; this script never installs it) under
-#      qemu-x86_64 -cpu Nehalem: tools/nehalem_check.py.
+#      qemu-x86_64 -cpu Nehalem: tools/emulated_check.py.
 #   d. the same test at the best level this CPU runs, built by Clang (clang++ -fopenmp: LLVM's libomp) and by GCC
 #      without OpenMP (cpp/threads.cpp's std::thread pool), each checked against the references and on 1 and 2
 #      threads bit for bit.
@@ -152,12 +152,12 @@ for name in clang no_openmp; do
     built "$name" "$what" && run "$what" "$work/$name.log" env OMP_NUM_THREADS=2 "$work/$name"
 done
 
-# c. the installed package on a Nehalem. nehalem_check.py starts its child (the forced level) with NEHALEM_QEMU:
+# c. the installed package on a Nehalem. emulated_check.py starts its child (the forced level) with EMULATOR:
 #    qemu-user hands a guest's execve to the host, so a plain child would run natively.
-export NEHALEM_QEMU="qemu-x86_64 -cpu Nehalem"
+export EMULATOR="qemu-x86_64 -cpu Nehalem"
 if (cd "$work" && "$PY" -c 'import attnpp' 2>/dev/null); then
     run "c. installed attnpp (qemu-x86_64 -cpu Nehalem)" "$work/python.log" \
-        env -u ATTNPP_CPU_CAPABILITY qemu-x86_64 -cpu Nehalem "$PY" tools/nehalem_check.py
+        env -u ATTNPP_CPU_CAPABILITY qemu-x86_64 -cpu Nehalem "$PY" tools/emulated_check.py
 else
     record FAIL "c. installed attnpp (qemu-x86_64 -cpu Nehalem)" "attnpp not importable by $PY (pip install . first)"
     echo "cross_check.sh: ${results[-1]}"

@@ -1,16 +1,18 @@
 #!/usr/bin/env python3
-"""The installed attnpp on a CPU without AVX: run by tools/cross_check.sh as
+"""The installed attnpp on an emulated CPU, where it runs its baseline kernels:
 
-    qemu-x86_64 -cpu Nehalem "$(python -c 'import sys; print(sys.executable)')" tools/nehalem_check.py
+    qemu-x86_64 -cpu Nehalem "$(python -c 'import sys; print(sys.executable)')" tools/emulated_check.py
+    EMULATOR="qemu-aarch64 -L ROOT" qemu-aarch64 -L ROOT ROOT/usr/bin/python3.11 tools/emulated_check.py
 
-(the real interpreter: pyenv's `python` is a shell script that qemu cannot run). Checks that the baseline level is
-picked, that the attention functions (in float64, float32, bfloat16 and float16) and nn.MultiheadAttention (float64,
-float32) agree with a NumPy float64 reference written here (forward and analytic backward, small sizes: everything
-runs emulated; the halves' software conversions included), and that forcing a level the CPU lacks
-(ATTNPP_CPU_CAPABILITY=avx2) makes `import attnpp` fail with an ImportError naming the CPU.
+an x86-64 without AVX (tools/cross_check.sh; the real interpreter: pyenv's `python` is a shell script that qemu
+cannot run) and aarch64 (tools/wheel_aarch64.sh, the wheel installed for an aarch64 Python in ROOT). Checks that the
+baseline level is picked, that the attention functions (in float64, float32, bfloat16 and float16) and
+nn.MultiheadAttention (float64, float32) agree with a NumPy float64 reference written here (forward and analytic
+backward, small sizes: everything runs emulated; the halves' software conversions included), and that forcing a
+level the CPU lacks (ATTNPP_CPU_CAPABILITY=avx2) makes `import attnpp` fail with an ImportError.
 
-Environment: NEHALEM_QEMU, the emulator command for that child (default "qemu-x86_64 -cpu Nehalem"). It must be
-given explicitly: qemu-user passes a guest's execve to the host, so a plain subprocess would run natively.
+Environment: EMULATOR, the emulator command for that child (default "qemu-x86_64 -cpu Nehalem"). It must be given
+explicitly: qemu-user passes a guest's execve to the host, so a plain subprocess would run natively.
 Exit status 0 when every check passes.
 """
 import os
@@ -137,12 +139,13 @@ def check_mha(dtype, rng):
 
 
 def check_forced_level():
-    """ATTNPP_CPU_CAPABILITY=avx2 on this CPU: `import attnpp` raises an ImportError that names the CPU."""
-    qemu = shlex.split(os.environ.get("NEHALEM_QEMU", "qemu-x86_64 -cpu Nehalem"))
+    """ATTNPP_CPU_CAPABILITY=avx2 on this CPU: `import attnpp` raises an ImportError that names the setting (an
+    x86-64 without AVX2: that the CPU cannot run it; aarch64: that the build has no such level)."""
+    qemu = shlex.split(os.environ.get("EMULATOR", "qemu-x86_64 -cpu Nehalem"))
     env = dict(os.environ, ATTNPP_CPU_CAPABILITY="avx2")
     child = subprocess.run(qemu + [sys.executable, "-c", "import attnpp"], env=env, capture_output=True, text=True)
     last = (child.stderr.strip().splitlines() or [""])[-1]
-    ok = child.returncode != 0 and last.startswith("ImportError") and "CPU" in last
+    ok = child.returncode != 0 and last.startswith("ImportError") and "ATTNPP_CPU_CAPABILITY=avx2" in last
     report("ATTNPP_CPU_CAPABILITY=avx2 import fails", ok, f" (exit {child.returncode}): {last}")
 
 
