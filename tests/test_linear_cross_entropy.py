@@ -155,6 +155,24 @@ def test_torch_function_matches_and_gradchecks(rng, softcap):
             lambda *a: AT.linear_cross_entropy(a[0], a[1], target, a[2], softcap=softcap, **kw), tuple(leaves))
 
 
+
+def test_torch_backward_hands_the_forward_gradients_on(rng):
+    """The gradients the forward computed are scaled by the loss's gradient (here 1 / 7, as a loss divided by
+    num_items_in_batch) and become the leaves' gradients, PyTorch's to float64's roundoff; a retained graph's second
+    backward computes them anew and adds the same again."""
+    x, w, t, b = case_arrays(rng, (3, 5, 6), 11, np.float64)
+    ours = [torch.tensor(a, requires_grad=True) for a in (x, w, b)]
+    theirs = [torch.tensor(a, requires_grad=True) for a in (x, w, b)]
+    target = torch.tensor(t)
+    loss = AT.linear_cross_entropy(*ours[:2], target, ours[2], reduction="sum") / 7
+    ref = torch.nn.functional.cross_entropy(torch.nn.functional.linear(*theirs).reshape(-1, 11), target.reshape(-1),
+                                            reduction="sum") / 7
+    for _ in range(2):
+        loss.backward(retain_graph=True)
+        ref.backward(retain_graph=True)
+        for name, a, r in zip(("input", "weight", "bias"), ours, theirs):
+            np.testing.assert_allclose(a.grad.numpy(), r.grad.numpy(), rtol=0, atol=1e-12, err_msg=name)
+
 def test_layer_forward_backward_and_no_grad(rng):
     x, w, t, b = case_arrays(rng, (6, 8), 13, np.float64)
     layer = ann.LinearCrossEntropyLoss(label_smoothing=0.1, reduction="sum")

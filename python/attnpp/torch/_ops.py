@@ -86,15 +86,17 @@ def _own_ndim(x, dim):
     return x.dim() - (dim is not None)
 
 
-def _differentiable(op, backward, setup_context):
+def _differentiable(op, backward, setup_context, eager_setup_context=None):
     """``op`` with its autograd formula (``backward``, ``setup_context``, registered on it): a function calling
     ``op`` itself while torch.compile or torch.export traces (their autograd uses the registered formula), else
     the same formula as a ``torch.autograd.Function`` that torch.func composes with (in torch 2.13 a custom op's
     registered formula fails under torch.func's transforms, "must override the setup_context staticmethod":
-    pytorch/pytorch#168393); vmap over it reaches the operators' own vmap rules (``generate_vmap_rule``)."""
+    pytorch/pytorch#168393); vmap over it reaches the operators' own vmap rules (``generate_vmap_rule``).
+    ``eager_setup_context``: the Function's own, where it may keep tensors on ctx that a traced graph could not."""
     op.register_autograd(backward, setup_context=setup_context)
     return _traced_or(op, type(f"{op._name}_function", (torch.autograd.Function,), dict(
-        forward=staticmethod(lambda *args: op(*args)), setup_context=staticmethod(setup_context),
+        forward=staticmethod(lambda *args: op(*args)),
+        setup_context=staticmethod(eager_setup_context or setup_context),
         backward=staticmethod(backward), generate_vmap_rule=True)))
 
 
@@ -400,17 +402,24 @@ def _(grad_output, input, weight, target, logsumexp, bias, *options):
     return _new(input), _new(weight), _none(input) if bias is None else _new(bias)
 
 
-def _lce_setup_context(ctx, inputs, output):
+def _lce_setup_context(ctx, inputs, output, hold=False):
     input, weight, target, bias, ignore_index, reduction, label_smoothing, softcap, compute_grads = inputs
-    ctx.precomputed = compute_grads and reduction != "none"
     ctx.options = (ignore_index, reduction, label_smoothing, softcap)
-    ctx.save_for_backward(input, weight, target, bias, *output[1:])
+    grads = list(output[2:]) if compute_grads and reduction != "none" else []
+    # hold (eager): the forward's gradients are held by ctx alone, not saved, so that the backward, their last
+    # user, scales them in place and hands them on; saved, they stay referenced through the backward, and the
+    # weight's (V, H) gradient is there twice at the step's peak (once more as its product with the loss's
+    # gradient). A traced graph takes saved tensors only.
+    ctx.held = [g.detach() for g in grads] if hold else None
+    ctx.save_for_backward(input, weight, target, bias, output[1], *([] if hold else grads))
 
 
 def _lce_backward_formula(ctx, grad_loss, *_):
     input, weight, target, bias, lse, *grads = ctx.saved_tensors
     grad_loss = grad_loss.to(input.dtype)  # (the loss is float32 for half precision; its gradient in the input's)
-    if ctx.precomputed:  # the forward's gradients (those of a loss of gradient 1), scaled
+    if ctx.held:  # the forward's gradients (those of a loss of gradient 1), scaled; a retained graph's next
+        grads, ctx.held = [g.mul_(grad_loss) for g in ctx.held], None  # backward computes them anew
+    elif grads:
         grads = [g * grad_loss for g in grads]
     else:
         grads = _apply_linear_cross_entropy_backward(grad_loss, input, weight, target, lse, bias, *ctx.options)
@@ -420,7 +429,7 @@ def _lce_backward_formula(ctx, grad_loss, *_):
 
 
 apply_linear_cross_entropy = _differentiable(linear_cross_entropy_forward, _lce_backward_formula,
-                                             _lce_setup_context)
+                                             _lce_setup_context, functools.partial(_lce_setup_context, hold=True))
 linear_cross_entropy_forward.register_vmap(_loop_rule(linear_cross_entropy_forward))
 linear_cross_entropy_backward.register_vmap(_loop_rule(linear_cross_entropy_backward))
 _apply_linear_cross_entropy_backward = _backward_of(linear_cross_entropy_backward)
