@@ -332,9 +332,9 @@ def mutate_masks(rng, call, slot):
             warnings.simplefilter("ignore")
             vals = base.astype(dtp)
         if dtp == np.uint64 and vals.size and chance(rng, 0.5):
-            vals[0] = np.uint64(2 ** 64 - 1)
+            vals.flat[0] = np.uint64(2 ** 64 - 1)  # (flat: offsets a mutation made 0-d too)
         if dtp == np.float64 and vals.size and chance(rng, 0.5):
-            vals[0] = pick(rng, [NAN, 1e300, 0.5, -INF])
+            vals.flat[0] = pick(rng, [NAN, 1e300, 0.5, -INF])
         m.items[1] = mk_in(rng, vals)
         return f"mask: offsets dtype {dtp}"
     if op == "offsets_kind":
