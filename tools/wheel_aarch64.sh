@@ -51,9 +51,13 @@ root=$work/root
 mkdir -p "$root" "$work/debs"
 wanted=("python$pyver-minimal:arm64" "libpython$pyver-stdlib:arm64" "libpython$pyver-dev:arm64" "libstdc++6:arm64")
 # their dependencies for arm64, less the packaging tools and the C library's headers (the cross compiler has its own)
-debs=$(apt-cache depends --recurse --no-recommends --no-suggests --no-conflicts --no-breaks --no-replaces \
-           --no-enhances --no-pre-depends "${wanted[@]}" 2>/dev/null | grep -E '^[a-z0-9].*:arm64$' | sort -u |
-       grep -v -E '^(dpkg|tar|install-info|rpcsvc-proto|linux-libc-dev|libc-dev-bin|lib.*-dev):' || true)
+arm64_packages() {
+    apt-cache depends --recurse --no-recommends --no-suggests --no-conflicts --no-breaks --no-replaces \
+        --no-enhances --no-pre-depends "${wanted[@]}" 2>/dev/null | grep -E '^[a-z0-9].*:arm64$' | sort -u |
+        grep -v -E '^(dpkg|tar|install-info|rpcsvc-proto|linux-libc-dev|libc-dev-bin|lib.*-dev):' || true
+}
+debs=$(arm64_packages)
+[[ -n $debs ]] || { apt-get update -qq; debs=$(arm64_packages); }  # (arm64 added before, its lists not fetched)
 [[ -n $debs ]] || { say "no Debian arm64 packages of Python $pyver (apt-cache found none)"; exit 1; }
 (cd "$work/debs" && apt-get download $debs "libpython$pyver-dev:arm64" >/dev/null 2>&1) \
     || { say "apt-get download of the arm64 packages FAILED"; exit 1; }
