@@ -15,6 +15,7 @@ import sys
 import warnings
 from pathlib import Path
 
+import ml_dtypes
 import numpy as np
 import pytest
 import torch
@@ -647,6 +648,25 @@ def test_peers_skip_an_engine_off_by_more_than_the_tolerance_or_too_large(monkey
     assert np.isclose(skipped["Off"].error, 1e-3 / max(1, np.abs(exact).max()), rtol=1e-3)  # (relative above 1)
     assert skipped["Huge"].skipped == ("not run: it would hold its weights, 1048576.0 GiB, more than 50% of the 2.0 "
                                        "GiB available")
+
+
+@pytest.mark.skipif(not INSTALLED["OpenVINO"], reason="needs OpenVINO to build its model")
+def test_openvino_that_cannot_compile_a_case_is_unavailable_with_its_reason(monkeypatch):
+    # oneDNN capped at AVX2 (--capability avx2) gives OpenVINO 2026.4's CPU plugin no bfloat16 Softmax: the compile
+    # raises, and the case's peer row says so with the last line of OpenVINO's message (it used to end the run)
+    from attnpp.bench import peers
+
+    class Core:
+        def compile_model(self, *args):
+            raise RuntimeError("Exception from src/inference/src/cpp/core.cpp:117:\n"
+                               "Supported primitive descriptors list is empty for node: Softmax_1 type: Softmax\n\n")
+
+    monkeypatch.setattr(peers, "_openvino_core", Core)
+    problem = peers.Problem(*(np.zeros((1, 2, 4, 8), dtype=ml_dtypes.bfloat16) for _ in range(3)), is_causal=False)
+    with pytest.raises(peers.PeerUnavailable) as raised:
+        peers._openvino_call(problem, 1)
+    assert str(raised.value) == ("not compiled for the CPU in bfloat16 (Supported primitive descriptors list is empty "
+                                 "for node: Softmax_1 type: Softmax)")
 
 
 def test_against_names_known_engines_only(capsys):

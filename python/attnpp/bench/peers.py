@@ -118,7 +118,7 @@ def _onnxruntime_call(problem, threads):
     try:
         session = onnxruntime.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
     except Exception as error:  # e.g. NOT_IMPLEMENTED: no CPU kernel for this dtype
-        first = (str(error).strip().splitlines() or [type(error).__name__])[0].replace("[ONNXRuntimeError] : ", "")
+        first = _error_line(error).replace("[ONNXRuntimeError] : ", "")
         raise PeerUnavailable(f"no session for Attention (opset {ONNX_OPSET}) in {problem.dtype} on the CPU "
                               f"({first})") from error
     feed = dict(zip(names, arrays))
@@ -153,9 +153,13 @@ def _openvino_call(problem, threads):
                 "timed (opset13's SDPA has no grouped heads)")
     params = [ops.parameter(list(x.shape), element, name=n) for n, x in zip("QKV", (query, key, value))]
     model = openvino.Model([ops.scaled_dot_product_attention(*params, causal=problem.is_causal)], params, "attention")
-    compiled = _openvino_core().compile_model(model, "CPU", {
-        "INFERENCE_NUM_THREADS": threads, "PERFORMANCE_HINT": "LATENCY",
-        "INFERENCE_PRECISION_HINT": "bf16" if problem.dtype == "bfloat16" else "f32"})
+    try:
+        compiled = _openvino_core().compile_model(model, "CPU", {
+            "INFERENCE_NUM_THREADS": threads, "PERFORMANCE_HINT": "LATENCY",
+            "INFERENCE_PRECISION_HINT": "bf16" if problem.dtype == "bfloat16" else "f32"})
+    except RuntimeError as error:  # e.g. bfloat16 under ONEDNN_MAX_CPU_ISA=AVX2: no Softmax kernel for it
+        raise PeerUnavailable(f"not compiled for the CPU in {problem.dtype} ({_error_line(error, last=True)})") \
+            from error
     request = compiled.create_infer_request()
     if problem.dtype == "bfloat16":  # OpenVINO's Python API shows bfloat16 as float16: the bits, as uint16
         tensors = [openvino.Tensor(x.view(np.uint16), x.shape, element) for x in (query, key, value)]
@@ -163,6 +167,12 @@ def _openvino_call(problem, threads):
     else:
         tensors, as_dtype = [openvino.Tensor(x, shared_memory=True) for x in (query, key, value)], lambda out: out
     return lambda: as_dtype(request.infer(tensors, share_inputs=True, share_outputs=True)[0]), note
+
+
+def _error_line(error, last=False):
+    """The first (or last: OpenVINO's names the cause there) line of an engine's error message."""
+    lines = [line for line in str(error).strip().splitlines() if line.strip()] or [type(error).__name__]
+    return lines[-1 if last else 0].strip()
 
 
 class PeerUnavailable(Exception):
