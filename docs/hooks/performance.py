@@ -98,7 +98,9 @@ def render(data, name):
     notes += [c["line"] for c in data["cases"] if c.get("line")]
     sgemm = data["sgemm"]
     rates = ", ".join(f"{k} {v:.1f} GFLOP/s" for k, v in sgemm["gflops"].items())
-    notes.append(f"sgemm {sgemm['n']}^3 in the same run: {rates} ({sgemm['numpy_threads']})")
+    limits = sgemm.get("limits", {"float32": "PyTorch", "bfloat16": "PyTorch bfloat16"})
+    notes.append(f"sgemm {sgemm['n']}^3 in the same run: {rates} ({sgemm['numpy_threads']}); % of GEMM: of "
+                 f"{limits['float32']}'s float32 rate, bfloat16 cases of {limits['bfloat16']}'s")
     out += [""] + [f"- {html.escape(line)}" for line in notes]
     return "\n".join(out)
 

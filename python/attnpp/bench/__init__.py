@@ -84,7 +84,9 @@ and weights:
 - the distance to the limit: a float32 2048 x 2048 matrix product (sgemm) through ``torch.mm`` and ``np.matmul``,
   timed in the same run on the same threads, and the same product in bfloat16 through ``torch.mm``. Each case with
   a flop count shows attnpp's GFLOP/s (FlashAttention's count: case.attention_flops) and their share of the GEMM
-  rate of its dtype (``% of GEMM``: the bfloat16 product for bfloat16, the sgemm otherwise; report.gemm_rate); a
+  rate in the arithmetic attnpp computes it in (``% of GEMM``: the bfloat16 product for bfloat16 at avx512_bf16,
+  the sgemm otherwise, NumPy's where ``--capability`` forced a level and PyTorch's otherwise;
+  report.gemm_products); a
   line gives the best and median share of the forward cases (``sdpa fwd`` and ``causal-length fwd``; issue 37's
   target: at least 85%), another the bfloat16 ones.
 - the peers (``--against onnxruntime,openvino``, issue 37; the module ``peers``): ONNX Runtime through the standard
@@ -147,17 +149,17 @@ from .decode_length import decode_length_cases, decode_problem, plain_decode_cal
 from .measure import measure, peak_growth_mib, sgemm_gflops
 from .peers import ENGINES, Peers, Problem, check_error, reference_rows
 from .registry import FAMILIES, make_cases
-from .report import (bfloat16_gemm_line, gemm_rate, gemm_share, peer_rows, print_report, row, sgemm_line,
-                     target_line)
+from .report import (bfloat16_gemm_line, gemm_products, gemm_rate, gemm_share, peer_rows, print_report, row,
+                     sgemm_line, target_line)
 from .variants import (compile_first_call, decode_steps, flex_summary, sliding_window, variant_cases, varlen_lengths,
                        varlen_sides, window_calls, window_pairs, window_sides)
 
 __all__ = ["Case", "ENGINES", "FAMILIES", "HelloWorldModel", "PeerResult", "Peers", "Problem", "Result", "SIZES",
            "Sides", "Skipped", "Unavailable", "attention_calls", "attention_flops", "bfloat16_gemm_line",
            "capability_env", "causal_length_cases", "check_error", "compile_first_call", "decode_length_cases",
-           "decode_problem", "decode_steps", "flex_summary", "fmt_shape", "fmt_time", "gemm_rate", "gemm_share",
-           "kernel_calls", "kernel_flops", "kernel_problem", "layer_calls", "main", "make_cases", "measure",
-           "mha_calls", "parse_args", "peak_growth_mib", "peer_rows", "plain_decode_calls", "print_report",
+           "decode_problem", "decode_steps", "flex_summary", "fmt_shape", "fmt_time", "gemm_products", "gemm_rate",
+           "gemm_share", "kernel_calls", "kernel_flops", "kernel_problem", "layer_calls", "main", "make_cases",
+           "measure", "mha_calls", "parse_args", "peak_growth_mib", "peer_rows", "plain_decode_calls", "print_report",
            "random_inputs", "reference_rows", "row", "sdpa_sides", "sgemm_gflops", "sgemm_line", "sliding_window",
            "target_line", "training_calls", "variant_cases", "varlen_lengths", "varlen_sides", "window_calls",
            "window_pairs", "window_sides"]

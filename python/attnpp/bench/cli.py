@@ -23,7 +23,7 @@ from .measure import measure, sgemm_gflops
 from .peers import ENGINES, Peers
 from . import results as results_file
 from .registry import make_cases
-from .report import print_report
+from .report import gemm_products, print_report
 
 
 def select(cases, pattern):
@@ -48,7 +48,11 @@ def run_at_capability(level, argv):
     process instead.
     """
     env = {**os.environ, **capability_env(level)}
-    probe = subprocess.run([sys.executable, "-c", "import attnpp"], env=env, capture_output=True, text=True)
+    # (the probe without OpenBLAS's core type: forced above the CPU, it kills `import numpy` with SIGILL before
+    # attnpp can say what the CPU lacks. At a level attnpp runs, OpenBLAS's core type runs too, but for "default"
+    # on a CPU without SSE4.2, from before 2008: Nehalem's, as MKL's and oneDNN's caps for it, config.py)
+    probe_env = {var: value for var, value in env.items() if var != "OPENBLAS_CORETYPE"}
+    probe = subprocess.run([sys.executable, "-c", "import attnpp"], env=probe_env, capture_output=True, text=True)
     if probe.returncode != 0:
         lines = probe.stderr.strip().splitlines() or [f"exit status {probe.returncode}"]
         sys.exit(f"--capability {level}: {lines[-1]}")  # the exception's line, e.g. "ImportError: ..."
@@ -124,7 +128,8 @@ def main(argv=None):
     # the limit, measured after the cases so that it runs on the same, already warm machine
     print(f"[sgemm] float32 {size['sgemm']}^3 through torch.mm and np.matmul ({time.perf_counter() - start:.0f} s)",
           file=sys.stderr, flush=True)
-    rates, numpy_threads = sgemm_gflops(size["sgemm"], size["min_sample"])
+    rates, numpy_threads = sgemm_gflops(size["sgemm"], size["min_sample"],
+                                        bfloat16=gemm_products()["bfloat16"] == "PyTorch bfloat16")
     load, sgemm = background_load(cpu_before), (size["sgemm"], rates, numpy_threads)
     print_report(results, repeats, size["min_sample"], args.quick, load, sgemm, peers)
     if args.json:

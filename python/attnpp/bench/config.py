@@ -77,12 +77,19 @@ SGEMM_TARGET = 0.85  # issue 37's target: attnpp's attention forward at >= 85% o
 # attention's GEMMs) have names of their own and would otherwise keep their own pick: uncapped, oneDNN multiplies
 # bfloat16 with AVX512_BF16 at "avx2" too, and on a CPU without AVX-512 PyTorch takes its own bfloat16 GEMM instead.
 # avx512 is attnpp's level without AVX512_BF16: oneDNN's AVX512_CORE.
+# MKL takes its variable on Intel's CPUs only ("not available on non-Intel processors", its developer guide): on
+# the 2-core EPYC its sgemm ran at 176 GFLOP/s under SSE4_2, as uncapped. OpenBLAS (NumPy's BLAS) takes a core type
+# on every vendor's CPU (at Nehalem, SSE4.2: 66 GFLOP/s there): at a forced level its sgemm is the level's GEMM rate
+# (report.gemm_products).
 MKL_INSTRUCTIONS = {"default": "SSE4_2", "avx2": "AVX2", "avx512": "AVX512"}
 ONEDNN_ISA = {"default": "SSE41", "avx2": "AVX2", "avx512": "AVX512_CORE"}
-CAPABILITY_VARS = ("ATTNPP_CPU_CAPABILITY", "ATEN_CPU_CAPABILITY", "MKL_ENABLE_INSTRUCTIONS", "ONEDNN_MAX_CPU_ISA")
+OPENBLAS_CORETYPE = {"default": "Nehalem", "avx2": "Haswell", "avx512": "SkylakeX"}
+CAPABILITY_VARS = ("ATTNPP_CPU_CAPABILITY", "ATEN_CPU_CAPABILITY", "MKL_ENABLE_INSTRUCTIONS", "ONEDNN_MAX_CPU_ISA",
+                   "OPENBLAS_CORETYPE")
 
 
 def capability_env(level):
-    """The environment variables that force ``level`` on attnpp, PyTorch, MKL and oneDNN (each reads its own at
-    import)."""
-    return dict(zip(CAPABILITY_VARS, (level, level, MKL_INSTRUCTIONS[level], ONEDNN_ISA[level])))
+    """The environment variables that force ``level`` on attnpp, PyTorch, MKL, oneDNN and OpenBLAS (each reads its
+    own at import)."""
+    return dict(zip(CAPABILITY_VARS, (level, level, MKL_INSTRUCTIONS[level], ONEDNN_ISA[level],
+                                      OPENBLAS_CORETYPE[level])))

@@ -103,10 +103,11 @@ def measure(case, repeats, min_sample, peers=None):
                   {title: peer_results[title] for title in order if title in peer_results})
 
 
-def sgemm_gflops(n, min_sample, samples=SGEMM_SAMPLES):
-    """GFLOP/s of a float32 (n, n) @ (n, n) product through ``torch.mm`` and ``np.matmul``, and of a bfloat16 one
-    through ``torch.mm`` (2 n^3 flops each): ({"PyTorch": rate, "NumPy": rate, "PyTorch bfloat16": rate}, how
-    NumPy's threads were set, as a phrase for the report).
+def sgemm_gflops(n, min_sample, samples=SGEMM_SAMPLES, bfloat16=True):
+    """GFLOP/s of a float32 (n, n) @ (n, n) product through ``torch.mm`` and ``np.matmul``, and (``bfloat16``) of a
+    bfloat16 one through ``torch.mm`` (2 n^3 flops each): ({"PyTorch": rate, "NumPy": rate, "PyTorch bfloat16":
+    rate}, how NumPy's threads were set, as a phrase for the report). The bfloat16 product is only the limit at the
+    avx512_bf16 level (report.gemm_products); oneDNN capped below it took 46 s a product at 2048 on the 2-core EPYC.
 
     The ceiling the attention forward is held against, so it is measured in the same run, on the same threads:
     PyTorch's as the run set them; NumPy's BLAS limited to them through threadpoolctl if it is installed (it is not
@@ -122,8 +123,9 @@ def sgemm_gflops(n, min_sample, samples=SGEMM_SAMPLES):
     c, tc = np.empty((n, n), np.float32), torch.empty(n, n, dtype=torch.float32)
     ta, tb = torch.from_numpy(a), torch.from_numpy(b)
     ta16, tb16, tc16 = (t.to(torch.bfloat16) for t in (ta, tb, tc))
-    sides = {"PyTorch": lambda: torch.mm(ta, tb, out=tc), "NumPy": lambda: np.matmul(a, b, out=c),
-             "PyTorch bfloat16": lambda: torch.mm(ta16, tb16, out=tc16)}
+    sides = {"PyTorch": lambda: torch.mm(ta, tb, out=tc), "NumPy": lambda: np.matmul(a, b, out=c)}
+    if bfloat16:
+        sides["PyTorch bfloat16"] = lambda: torch.mm(ta16, tb16, out=tc16)
     threads = torch.get_num_threads()
     try:
         from threadpoolctl import threadpool_limits

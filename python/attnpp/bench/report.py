@@ -19,17 +19,41 @@ def attnpp_gflops(result):
     return None if result.case.flops is None else result.case.flops / np.median(result.times[0]) / 1e9
 
 
-def gemm_rate(dtype, rates):
-    """The same run's GEMM rate a case of ``dtype`` is held against (``rates``: sgemm_gflops'): PyTorch's bfloat16
-    product for bfloat16, its float32 one (sgemm) otherwise: attnpp computes float16 in float32, and a CPU without
-    float16 arithmetic gives PyTorch's float16 product no fast path (0.2 GFLOP/s on the 2-core EPYC)."""
-    return rates["PyTorch bfloat16" if dtype == "bfloat16" else "PyTorch"]
+def numpy_openblas():
+    """Whether NumPy's BLAS is OpenBLAS (NumPy's wheels), which takes OPENBLAS_CORETYPE."""
+    try:
+        return "openblas" in np.__config__.CONFIG["Build Dependencies"]["blas"]["name"].lower()
+    except (AttributeError, KeyError, TypeError):  # (a NumPy before 1.26 has no CONFIG)
+        return False
 
 
-def gemm_share(result, rates):
+def gemm_products(level=None, forced=None):
+    """The products of sgemm_gflops whose rates are the limits, by the case's dtype: {"float32": name, "bfloat16":
+    name}, names of its rates.
+
+    float32 (and float16, which attnpp computes in float32): PyTorch's sgemm, but NumPy's where ``--capability``
+    forced a level (OPENBLAS_CORETYPE set) and NumPy's BLAS is OpenBLAS, which takes the level on any CPU while MKL
+    keeps its own on a non-Intel one (config.py). bfloat16: PyTorch's bfloat16 product at attnpp's avx512_bf16
+    level, where attnpp multiplies bfloat16 pairs; below it attnpp computes bfloat16 in float32: the float32 product.
+    ``level`` (attnpp's) and ``forced`` default to this process's.
+    """
+    level = attnpp.cpu_capability() if level is None else level
+    forced = "OPENBLAS_CORETYPE" in os.environ and numpy_openblas() if forced is None else forced
+    sgemm = "NumPy" if forced else "PyTorch"
+    return {"float32": sgemm, "bfloat16": "PyTorch bfloat16" if level == "avx512_bf16" else sgemm}
+
+
+def gemm_rate(dtype, rates, products=None):
+    """The same run's GEMM rate a case of ``dtype`` is held against (``rates``: sgemm_gflops'; ``products``:
+    gemm_products')."""
+    products = gemm_products() if products is None else products
+    return rates[products["bfloat16" if dtype == "bfloat16" else "float32"]]
+
+
+def gemm_share(result, rates, products=None):
     """attnpp's GFLOP/s in a case as a share of gemm_rate (a fraction), or None without a flop count."""
     gflops = attnpp_gflops(result)
-    return None if gflops is None else gflops / gemm_rate(result.case.dtype, rates)
+    return None if gflops is None else gflops / gemm_rate(result.case.dtype, rates, products)
 
 
 def ratio_quartiles(result, peer=None):
@@ -104,29 +128,40 @@ def capability_line():
 
 def sgemm_line(results, n, rates, numpy_threads):
     """The distance to the limit: the sgemm rates, and attnpp's attention forward GFLOP/s (best and median over the
-    run's ``sdpa fwd`` cases, as the table shows them) as a share of PyTorch's sgemm rate."""
+    run's float32 forward cases, as the table shows them) as a share of the sgemm that is the limit
+    (gemm_products)."""
     line = (f"sgemm float32 {n}x{n} @ {n}x{n} on {torch.get_num_threads()} threads (median of {SGEMM_SAMPLES}): "
             f"PyTorch {rates['PyTorch']:.1f} GFLOP/s, NumPy {rates['NumPy']:.1f} GFLOP/s ({numpy_threads}) | ")
     forward = [attnpp_gflops(r) for r in results if isinstance(r, Result) and r.case.vs_sgemm]
     if not forward:
         return line + "attnpp sdpa fwd: no such case in this run (see --cases)"
     best, median = max(forward), float(np.median(forward))
-    share = lambda gflops: f"{gflops / rates['PyTorch']:.0%}"
-    return line + (f"attnpp sdpa fwd over {len(forward)} cases: best {best:.1f} GFLOP/s = {share(best)} of "
-                   f"PyTorch's sgemm, median {median:.1f} GFLOP/s = {share(median)} (issue 37's target: >= "
-                   f"{SGEMM_TARGET:.0%})")
+    limit = gemm_products()["float32"]
+    share = lambda gflops: f"{gflops / rates[limit]:.0%}"
+    line += (f"attnpp sdpa fwd over {len(forward)} cases: best {best:.1f} GFLOP/s = {share(best)} of {limit}'s "
+             f"sgemm, median {median:.1f} GFLOP/s = {share(median)} (issue 37's target: >= {SGEMM_TARGET:.0%})")
+    if limit == "NumPy":
+        line += (f"; NumPy's: OpenBLAS at OPENBLAS_CORETYPE={os.environ['OPENBLAS_CORETYPE']}, the level's (MKL "
+                 "takes MKL_ENABLE_INSTRUCTIONS on Intel CPUs only)")
+    return line
 
 
-def bfloat16_gemm_line(results, n, rate):
+def bfloat16_gemm_line(results, n, rates):
     """The bfloat16 GEMM rate through torch.mm beside attnpp's bfloat16 attention forward (best and median of the
-    run's ``sdpa fwd ... bfloat16`` cases)."""
-    line = f"bfloat16 GEMM {n}x{n} @ {n}x{n} through torch.mm: {rate:.1f} GFLOP/s | "
+    run's ``sdpa fwd ... bfloat16`` cases) and its share of the limit (gemm_products: the float32 product below
+    avx512_bf16)."""
+    limit = gemm_products()["bfloat16"]
+    if limit == "PyTorch bfloat16":
+        line, of = f"bfloat16 GEMM {n}x{n} @ {n}x{n} through torch.mm: {rates[limit]:.1f} GFLOP/s | ", "it"
+    else:
+        line = "bfloat16 GEMM: not measured, not the limit (below avx512_bf16 attnpp computes bfloat16 in float32) | "
+        of = f"{limit}'s sgemm"
     forward = [attnpp_gflops(r) for r in results if isinstance(r, Result) and r.case.dtype == "bfloat16"
                and r.case.name.startswith("sdpa fwd ")]
     if not forward:
         return line + "attnpp sdpa fwd bfloat16: no such case in this run (see --cases)"
     return line + (f"attnpp sdpa fwd bfloat16 over {len(forward)} cases: best {max(forward):.1f} GFLOP/s = "
-                   f"{max(forward) / rate:.0%} of it, median {float(np.median(forward)):.1f} GFLOP/s")
+                   f"{max(forward) / rates[limit]:.0%} of {of}, median {float(np.median(forward)):.1f} GFLOP/s")
 
 
 def target_line(result):
@@ -158,8 +193,8 @@ def print_report(results, repeats, min_sample, quick, load, sgemm, peers=None):
           "(temporaries + outputs + gradients)")
     n, rates, _ = sgemm
     print("GFLOP/s: attnpp's, FlashAttention's count (forward 4 B H L S D, halved when causal; backward 2.5 times the "
-          "forward); % of GEMM: of the same run's GEMM rate in the case's dtype (bfloat16: PyTorch's bfloat16 "
-          "product, else its float32 one, see the GEMM lines)")
+          "forward); % of GEMM: of the same run's GEMM rate in the arithmetic attnpp computes the case in (see the "
+          "GEMM lines)")
     if peers is not None:
         print(peers.header() if peers.engines else "peers (--against): none installed")
         for line in peers.missing:
@@ -189,6 +224,6 @@ def print_report(results, repeats, min_sample, quick, load, sgemm, peers=None):
         for r in targeted:
             print(target_line(r))
     print(sgemm_line(results, *sgemm))
-    print(bfloat16_gemm_line(results, n, rates["PyTorch bfloat16"]))
+    print(bfloat16_gemm_line(results, n, rates))
     print("ratio = PyTorch time / attnpp time of each alternating pair (a, t, a, t, ...): median [25th-75th "
           "percentile] over the pairs; above 1: attnpp faster")

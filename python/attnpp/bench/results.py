@@ -8,12 +8,14 @@ One JSON object::
                 processes' load, the run's --note),
      "run": {"quick", "repeats", "min_sample_s"},
      "cases": [one record per case, in the table's order (case_record)],
-     "sgemm": {"n", "gflops": {"PyTorch", "NumPy", "PyTorch bfloat16"}, "numpy_threads"},
+     "sgemm": {"n", "gflops": {"PyTorch", "NumPy", "PyTorch bfloat16" (where it is a limit)}, "numpy_threads",
+               "limits": {"float32", "bfloat16"}: the names of the gflops the cases' gemm_share are of},
      "peers": {"versions": {engine title: version}, "missing": [a line per engine not installed]}, or null without
               --against}
 
 Fields are only ever added (a reader of the first files still reads the new ones): ``gemm_share`` and ``peers`` in
-the case records and the run's ``peers`` came with issue 37.
+the case records, the run's ``peers`` and the sgemm's ``limits`` came with issue 37 (a file without ``limits``
+held every case against PyTorch's rates).
 """
 from __future__ import annotations
 
@@ -24,7 +26,7 @@ import numpy as np
 
 from .case import Skipped
 from .machine import describe
-from .report import attnpp_gflops, gemm_share, ratio_quartiles
+from .report import attnpp_gflops, gemm_products, gemm_share, ratio_quartiles
 
 FORMAT = "attnpp-bench-results/1"
 
@@ -87,7 +89,8 @@ def write(path, results, *, argv, quick, repeats, min_sample, load, sgemm, note=
             "machine": describe(load, note),
             "run": {"quick": quick, "repeats": repeats, "min_sample_s": min_sample},
             "cases": [case_record(r, rates) for r in results],
-            "sgemm": {"n": n, "gflops": {k: float(v) for k, v in rates.items()}, "numpy_threads": numpy_threads},
+            "sgemm": {"n": n, "gflops": {k: float(v) for k, v in rates.items()}, "numpy_threads": numpy_threads,
+                      "limits": gemm_products()},
             "peers": None if peers is None else {"versions": peers.versions, "missing": peers.missing}}
     with open(path, "w") as f:
         json.dump(data, f, indent=1, ensure_ascii=False)
