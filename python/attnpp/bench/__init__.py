@@ -100,9 +100,11 @@ and weights:
 
 The header names the CPU level of each library (``attnpp.cpu_capability()``, PyTorch's
 ``torch.backends.cpu.get_cpu_capability()``). ``--capability avx2`` runs the whole benchmark in a child process with
-both libraries forced to that level (``ATTNPP_CPU_CAPABILITY``, ``ATEN_CPU_CAPABILITY``, and for PyTorch's products
-``MKL_ENABLE_INSTRUCTIONS`` and ``ONEDNN_MAX_CPU_ISA``, all read at import), so that an AVX-512 host also measures
-the AVX2 (or baseline) path. (Without oneDNN's cap, PyTorch's bfloat16 products keep AVX512_BF16 at every level.)
+both libraries forced to that level (``ATTNPP_CPU_CAPABILITY``, ``ATEN_CPU_CAPABILITY``, for PyTorch's products
+``MKL_ENABLE_INSTRUCTIONS`` and ``ONEDNN_MAX_CPU_ISA``, and for NumPy's ``OPENBLAS_CORETYPE``, all read at import), so
+that an AVX-512 host also measures the AVX2 (or baseline) path. (Without oneDNN's cap, PyTorch's bfloat16 products
+keep AVX512_BF16 at every level. MKL takes its cap on Intel CPUs only: on another vendor's, PyTorch's float32
+products keep MKL's own level, which the header cannot see; the sgemm line then sets NumPy's capped rate beside it.)
 
 How: one process; both libraries on the same thread count (``--threads``, default all cores). Each case warms
 each side up, then measures the memory of one call per side, then times attnpp and PyTorch alternately
