@@ -104,7 +104,8 @@ def test_quick_run_prints_a_ratio_for_every_case(quick):
         assert sum(n.startswith("sdpa") and n.endswith(" " + dtype) for n in names) == 4, names
         assert RATIO.match(rows[f"decode fwd (2,4,1,16) GQA 2 kv heads, cache 64+1 {dtype}"][3])
     head, of = ((r"bfloat16 GEMM 256x256 @ 256x256 through torch.mm: \d+\.\d GFLOP/s", "it")
-                if attnpp.cpu_capability() == "avx512_bf16" else (r"bfloat16 GEMM: not measured, .*", "PyTorch's sgemm"))
+                if attnpp.cpu_capability() == "avx512_bf16" else
+                (r"bfloat16 GEMM: not measured, .*", "PyTorch's sgemm"))
     found = re.search(rf"^{head} \| attnpp sdpa fwd bfloat16 over 2 cases: best \d+\.\d GFLOP/s = \d+% of {of}", quick,
                       re.MULTILINE)
     assert found, quick
@@ -675,7 +676,7 @@ def test_peers_skip_an_engine_off_by_more_than_the_tolerance_or_too_large(monkey
                                        "GiB available")
 
 
-@pytest.mark.skipif(not INSTALLED["OpenVINO"], reason="needs OpenVINO to build its model")
+@pytest.mark.skipif(not INSTALLED.get("OpenVINO"), reason="needs OpenVINO to build its model (not under ASan: PEERS)")
 def test_openvino_that_cannot_compile_a_case_is_unavailable_with_its_reason(monkeypatch):
     # oneDNN capped at AVX2 (--capability avx2) gives OpenVINO 2026.4's CPU plugin no bfloat16 Softmax: the compile
     # raises, and the case's peer row says so with the last line of OpenVINO's message (it used to end the run)
