@@ -109,7 +109,8 @@ def test_quick_run_prints_a_ratio_for_every_case(quick):
     found = re.search(rf"^{head} \| attnpp sdpa fwd bfloat16 over 2 cases: best \d+\.\d GFLOP/s = \d+% of {of}", quick,
                       re.MULTILINE)
     assert found, quick
-    assert re.search(r"^memory \(1,2,256,16\) causal fwd\+bwd bfloat16: attnpp grew \d+\.\d MiB, \d+% of its "
+    # (a growth of a few hundred KiB is within the reading's noise, and under ASan came out at -0.2 MiB)
+    assert re.search(r"^memory \(1,2,256,16\) causal fwd\+bwd bfloat16: attnpp grew -?\d+\.\d MiB, -?\d+% of its "
                      r"float32 figure", quick, re.MULTILINE), quick
     # issue 38's fine-tuning: the same first loss on both sides (same weights and data), no tensor of two
     # dimensions of L = 48 in the packed step (sdpa's padded micro-batches build their (L, L) masks)
