@@ -19,7 +19,7 @@ namespace attnpp::ATTNPP_CPU_NS {
 template <typename P>
 P exp_nonpositive(const P& x) {
   namespace ei = Eigen::internal;
-#if !defined(__AVX512F__) && (defined(__AVX2__) || defined(__SSE2__))
+#if defined(__SSE2__) && !defined(__AVX512F__)  // (AVX2 implies SSE2)
   constexpr bool fast_ldexp = std::is_same_v<typename ei::unpacket_traits<P>::type, float>;
 #else
   constexpr bool fast_ldexp = false;
@@ -55,7 +55,7 @@ P exp_nonpositive(const P& x) {
 // exp(-inf) is a subnormal.
 template <typename P>
 constexpr bool exp_zero_at_neg_inf() {
-#if defined(__AVX2__) || defined(__SSE2__)
+#if defined(__SSE2__)
   return std::is_same_v<typename Eigen::internal::unpacket_traits<P>::type, float>;
 #else
   return false;

@@ -55,6 +55,13 @@ template <typename T> double tolerance(int units = 2) {
 template <typename T> double dbl(T x) { return double(load(x)); }
 template <typename T> T from_double(double x) { return store<T>(compute_t<T>(x)); }
 
+// One check's line: its largest error against its tolerance.
+void check_error(const std::string& what, double err, double tol) {
+  const bool ok = err <= tol;
+  (ok ? passed : failed)++;
+  std::printf("%s %-58s max rel err %.2e (tol %.0e)\n", ok ? "PASS" : "FAIL", what.c_str(), err, tol);
+}
+
 // Max error relative to max(1, |ref|); infinities must match exactly, NaN never does.
 template <typename T>
 void check(const std::string& what, const std::vector<T>& got, const std::vector<double>& ref,
@@ -66,9 +73,7 @@ void check(const std::string& what, const std::vector<T>& got, const std::vector
                                                        : std::fabs(g - r) / std::max(1.0, std::fabs(r));
     err = std::isnan(e) ? INFINITY : std::max(err, e);
   }
-  const bool ok = err <= tol;
-  (ok ? passed : failed)++;
-  std::printf("%s %-58s max rel err %.2e (tol %.0e)\n", ok ? "PASS" : "FAIL", what.c_str(), err, tol);
+  check_error(what, err, tol);
 }
 
 void check_true(const std::string& what, bool ok) {
@@ -544,9 +549,7 @@ void test_exp_nonpositive() {
     }
   }
   const std::string tag = std::string("exp_nonpositive ") + dtype_name<T>();
-  const double tol = 4 * double(std::numeric_limits<T>::epsilon());
-  (worst <= tol ? passed : failed)++;
-  std::printf("%s %-58s max rel err %.2e (tol %.0e)\n", worst <= tol ? "PASS" : "FAIL", tag.c_str(), worst, tol);
+  check_error(tag, worst, 4 * double(std::numeric_limits<T>::epsilon()));
   check_true(tag + ": below the normal range, 0 or below it", small_ok);
   check_true(tag + ": -inf gives 0 (exactly, where the level says so)", inf_ok);
   check_true(tag + ": NaN gives NaN", nan_ok);

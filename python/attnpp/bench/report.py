@@ -2,6 +2,7 @@
 targets and the GEMM lines."""
 from __future__ import annotations
 
+import functools
 import os
 
 import numpy as np
@@ -19,6 +20,7 @@ def attnpp_gflops(result):
     return None if result.case.flops is None else result.case.flops / np.median(result.times[0]) / 1e9
 
 
+@functools.cache  # (NumPy's build does not change; gemm_products asks once per table row)
 def numpy_openblas():
     """Whether NumPy's BLAS is OpenBLAS (NumPy's wheels), which takes OPENBLAS_CORETYPE."""
     try:
