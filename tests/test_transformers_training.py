@@ -195,7 +195,7 @@ def test_apply_refuses_what_it_cannot_do():
         AT.apply(cohere)
     model = hf_model("llama", "attnpp")
     assert AT.apply(AT.apply(model)) is model and AT.revert(AT.revert(model)) is model
-    assert "forward" not in vars(model) and "forward" not in vars(model.lm_head)
+    assert not any("forward" in vars(module) for module in model.modules())  # (the norms' and MLPs' too)
 
 
 def test_from_config_loads_with_attnpp_and_the_fused_loss():
@@ -204,6 +204,72 @@ def test_from_config_loads_with_attnpp_and_the_fused_loss():
     ids = torch.randint(1, 128, (1, T))
     assert model.train()(ids, labels=ids).logits is None
     assert "_attnpp_fused_loss" not in vars(AT.from_config(hf_config("llama"), fused_loss=False))
+
+
+# ------------------------------------------------------------------------------------------ lean activations
+def saved_bytes(model, **kwargs):
+    """The bytes of the activations a training forward keeps for the backward: the distinct storages of the
+    tensors autograd saves (torch.autograd.graph.saved_tensors_hooks), not the parameters'."""
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    kept = {}
+
+    def pack(t):
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in params:
+            kept[storage.data_ptr()] = storage.nbytes()
+        return t
+    ids, labels = micro_batches(1)[0]
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = model.train()(ids, labels=labels, **kwargs).loss
+    loss.backward()
+    return sum(kept.values())
+
+
+@pytest.mark.parametrize("name", ["llama", "phi3"])
+def test_lean_activations_keep_half_of_the_mlp_and_norms(name):
+    """apply()'s RMSNorms keep their input alone (not also the normalised input and each row's rsqrt:
+    B*L*(hidden + 1) fewer floats each), its gated MLPs gate(x) and up(x) (not act(gate(x)) and the product:
+    2*B*L*intermediate fewer floats); Phi-3's gate and up are halves of one projection. Measured as the bytes
+    autograd keeps, against the fused loss alone."""
+    config = hf_config(name)
+    loss_only = AT.apply(hf_model(name, "attnpp"), rms_norm=False, gated_mlp=False)
+    lean = AT.apply(hf_model(name, "attnpp"))
+    tokens, layers = 2 * T, config.num_hidden_layers
+    norms = 2 * layers + 1  # (each layer's two, and the last hidden states')
+    fewer = 4 * tokens * (norms * (config.hidden_size + 1) + layers * 2 * config.intermediate_size)
+    assert saved_bytes(loss_only) - saved_bytes(lean) == fewer
+
+
+def test_lean_activations_with_checkpointing_and_an_adapter():
+    """apply() under transformers' activation checkpointing (the layers recomputed around the recomputed norms),
+    and after each MLP's down projection is replaced by a LoRA-like module (a Linear plus a low-rank term, as a PEFT
+    adapter is; the MLP then runs its own forward): the loss and gradients of the model without apply()."""
+    plain, fused, reference = models("llama")
+    batches = micro_batches(1)
+    want, ref = step(plain, batches), step(reference, batches)
+    for model in (plain, fused, reference):
+        model.activation_checkpointing_enable(dict(use_reentrant=False))
+    for got in (step(plain, batches), step(fused, batches)):
+        assert_within(got[0], want[0], ref[0], "loss")
+        assert_within(got[1], want[1], ref[1], "gradients")
+
+    class Adapter(torch.nn.Linear):
+        def __init__(self, linear):
+            super().__init__(linear.in_features, linear.out_features, bias=False)
+            self.load_state_dict(linear.state_dict())
+            self.low_rank = torch.nn.Sequential(torch.nn.Linear(linear.in_features, 2, bias=False),
+                                                torch.nn.Linear(2, linear.out_features, bias=False))
+
+        def forward(self, x):
+            return super().forward(x) + self.low_rank(x)
+    for model in (plain, fused, reference):
+        model.activation_checkpointing_disable()
+        torch.manual_seed(1)
+        for layer in model.model.layers:
+            layer.mlp.down_proj = Adapter(layer.mlp.down_proj).to(layer.mlp.up_proj.weight.dtype)
+    want, ref, got = step(plain, batches), step(reference, batches), step(fused, batches)
+    assert_within(got[0], want[0], ref[0], "loss")
+    assert_within(got[1], want[1], ref[1], "gradients")
 
 
 # ------------------------------------------------------------------------------------- packed sequences

@@ -41,7 +41,8 @@ float mask with its gradient; key/value heads fewer than the query's (GQA) are r
 one token (a decoding step) takes attnpp's few-rows path (the heads of a group share key blocks).
 
 ``apply(model)`` makes a causal LM's training forward with labels compute its loss with attnpp's fused linear +
-cross-entropy, without the (B, L, V) logits; ``revert(model)`` undoes it; ``from_pretrained`` and ``from_config``
+cross-entropy, without the (B, L, V) logits, and its RMSNorms and gated MLPs keep half of their activations for the
+backward (recomputing the rest); ``revert(model)`` undoes it; ``from_pretrained`` and ``from_config``
 load a model with ``"attnpp"`` and apply it.
 
 The attention runs attnpp's registered operators (``attnpp.torch``): a model traces whole under
@@ -56,7 +57,7 @@ Phi-3, GPT-2, SmolLM3 and OLMo 2 configurations, Llama 4's chunked attention and
 
 Layout: ``_attention`` (the attention and mask functions, ``KeyLayout``, the registration), ``_packing`` (the
 mask functions read, packed sequences and chunks as varlen offsets), ``_loss`` (``apply``, ``revert``, the
-loaders).
+loaders), ``_activations`` (the RMSNorms and gated MLPs that ``apply`` patches).
 """
 from ._attention import NAME, KeyLayout, attention_forward, attention_mask, register
 from ._loss import TESTED, apply, from_config, from_pretrained, revert

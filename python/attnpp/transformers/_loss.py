@@ -7,7 +7,8 @@ hidden states over instead of computing the (B, L, V) logits, and the model's ow
 computing the loss from them with ``attnpp.torch``'s fused ``linear_cross_entropy`` (its gradients computed in
 the same pass over chunks of rows). Everything the model does after the projection (Gemma 2's soft-capping on the
 logits is the fused loss's ``softcap``; gpt-oss adds its router's auxiliary loss to the loss) stays the model's.
-Any other forward (eval mode, no labels, generation) is the model's own, logits included.
+Any other forward (eval mode, no labels, generation) is the model's own, logits included. ``apply`` also patches
+the model's RMSNorms and gated MLPs on their instances, so that they keep less for the backward (``_activations``).
 """
 import functools
 import inspect
@@ -16,6 +17,7 @@ import torch
 import transformers
 
 from ..torch.functional import linear_cross_entropy_float
+from . import _activations
 from ._attention import NAME
 
 # The causal LM classes tested with the fused loss (tests/test_transformers_training.py): their forward computes
@@ -41,6 +43,7 @@ class _FusedLoss:
         self.softcap = getattr(model.config.get_text_config(), "final_logit_softcapping", None)
         self.hidden = None
         self.capturing = False
+        self.modules = []  # (module, its own forward): the RMSNorms and gated MLPs patched (_activations.patch)
 
     def fused(self, args, kwargs):
         """Whether this call of the model's forward is a training forward with labels."""
@@ -100,9 +103,10 @@ def _restore(obj, name, value):
         obj.__dict__[name] = value
 
 
-def apply(model):
+def apply(model, *, rms_norm=True, gated_mlp=True):
     """Makes a causal LM's training forward compute its loss with attnpp's fused linear + cross-entropy, from the
-    last hidden states, without the (B, L, V) logits (nor their gradient). Undone by ``revert``.
+    last hidden states, without the (B, L, V) logits (nor their gradient), and its RMSNorms and gated MLPs keep
+    less for the backward. Undone by ``revert``.
 
     A forward in training mode (``model.train()``, as ``Trainer`` runs it) with ``labels`` (or ``shift_labels``)
     returns the loss (the model's ``loss_function``'s: labels shifted left, ``ignore_index``,
@@ -113,13 +117,22 @@ def apply(model):
     ``attn_implementation``, ``Trainer``, gradient accumulation, gradient checkpointing and
     ``DistributedDataParallel``.
 
+    The RMSNorms keep their input alone and recompute the rest in the backward (``torch.utils.checkpoint``); the
+    gated MLPs (SwiGLU, GeGLU) keep gate(x) and up(x) alone (``attnpp.transformers._activations``): half of a
+    Llama MLP's saved activations and of its norms'. Forward outputs are the model's bit for bit; gradients are
+    the model's up to the rounding of the down projection's products.
+
     Args:
         model (transformers.PreTrainedModel): a causal LM of one of the classes in ``TESTED`` (or a subclass),
             whose output projection (``get_output_embeddings()``) is a ``torch.nn.Linear``.
+        rms_norm (bool): recompute the RMSNorms (every module whose class name ends in ``RMSNorm``) in the
+            backward. Default: True.
+        gated_mlp (bool): the gated MLPs of the tested classes (with a SiLU or tanh-GELU activation) keep their
+            two inputs alone. Default: True.
 
     Returns:
-        The model itself (changed in place: its ``forward``, its output projection's ``forward`` and its
-        ``loss_function``; applying it twice changes nothing).
+        The model itself (changed in place: its ``forward``, its output projection's ``forward``, its
+        ``loss_function``, and the patched modules' ``forward``; applying it twice changes nothing).
 
     Raises:
         TypeError: not a transformers model; ValueError: a class not tested with the fused loss (it may scale
@@ -142,6 +155,7 @@ def apply(model):
                          f"{type(head).__name__}, not a torch.nn.Linear (the fused loss reads its weight and bias)")
     state = _FusedLoss(model, head)
     model.__dict__[_STATE] = state
+    state.modules = _activations.patch(model, rms_norm=rms_norm, gated_mlp=gated_mlp)
     model.forward = functools.wraps(model.forward)(functools.partial(state.model_forward, model.forward))
     head.forward = functools.partial(state.head_forward_of, head.forward)
     model.loss_function = state.loss
@@ -149,7 +163,8 @@ def apply(model):
 
 
 def revert(model):
-    """Undoes ``apply``: the model's forward, its output projection's and its loss function as they were.
+    """Undoes ``apply``: the model's forward, its output projection's, its loss function and its modules' as
+    they were.
 
     Args:
         model (transformers.PreTrainedModel): a model ``apply`` changed (another is returned unchanged).
@@ -162,6 +177,7 @@ def revert(model):
         _restore(model, "forward", state.forward)
         _restore(state.head, "forward", state.head_forward)
         _restore(model, "_loss_function", state.own_loss)
+        _activations.restore(state.modules)
     return model
 
 
