@@ -226,18 +226,39 @@ def saved_bytes(model, **kwargs):
 
 
 @pytest.mark.parametrize("name", ["llama", "phi3"])
-def test_lean_activations_keep_half_of_the_mlp_and_norms(name):
+def test_lean_activations_keep_less_of_the_mlp_and_norms(name):
     """apply()'s RMSNorms keep their input alone (not also the normalised input and each row's rsqrt:
-    B*L*(hidden + 1) fewer floats each), its gated MLPs gate(x) and up(x) (not act(gate(x)) and the product:
-    2*B*L*intermediate fewer floats); Phi-3's gate and up are halves of one projection. Measured as the bytes
-    autograd keeps, against the fused loss alone."""
+    B*L*(hidden + 1) fewer floats each), and the projections that read a norm's output (q, k and v; the MLP's gate
+    and up) keep the norm's input instead, which the norm keeps anyway (B*L*hidden fewer floats, twice a layer);
+    its gated MLPs keep gate(x) and up(x), not act(gate(x)) and the product (2*B*L*intermediate fewer floats).
+    Phi-3's gate and up are halves of one projection. Measured as the bytes autograd keeps, against the fused loss
+    alone."""
     config = hf_config(name)
     loss_only = AT.apply(hf_model(name, "attnpp"), rms_norm=False, gated_mlp=False)
     lean = AT.apply(hf_model(name, "attnpp"))
     tokens, layers = 2 * T, config.num_hidden_layers
     norms = 2 * layers + 1  # (each layer's two, and the last hidden states')
-    fewer = 4 * tokens * (norms * (config.hidden_size + 1) + layers * 2 * config.intermediate_size)
+    fewer = 4 * tokens * (norms * (config.hidden_size + 1) + layers * 2 * (config.hidden_size
+                                                                           + config.intermediate_size))
     assert saved_bytes(loss_only) - saved_bytes(lean) == fewer
+
+
+def test_lean_activations_with_a_retained_graph_and_frozen_projections():
+    """Two backward passes through one retained graph (the norms' outputs computed again for each), with the
+    attention's projections frozen (their weights' gradients not asked for): the loss and gradients of the model
+    without apply()."""
+    plain, fused, reference = models("llama")
+    ids, labels = micro_batches(1)[0]
+    grads = []
+    for model in (plain, fused, reference):
+        for name, p in model.named_parameters():
+            p.requires_grad_(not name.endswith(("q_proj.weight", "k_proj.weight", "v_proj.weight")))
+        model.train()
+        loss = model(ids, labels=labels).loss
+        loss.backward(retain_graph=True)
+        loss.backward()
+        grads.append(flat_grads(model))
+    assert_within(grads[1], grads[0], grads[2], "gradients")
 
 
 def test_lean_activations_with_checkpointing_and_an_adapter():

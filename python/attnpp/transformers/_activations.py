@@ -1,21 +1,26 @@
-"""``apply``'s lean activations: what a decoder layer's RMSNorms and gated MLP keep for the backward.
+"""``apply``'s lean activations: what a decoder layer's RMSNorms, projections and gated MLP keep for the backward.
 
 A Hugging Face decoder layer keeps, for its backward, every intermediate its modules compute under autograd. In a
-Llama layer at 4 x 1,024 tokens (hidden 768, MLP 2,048, float32) that is 232 MiB, and two modules keep more than
-their gradients need:
+Llama layer at 4 x 1,024 tokens (hidden 768, MLP 2,048, float32) that is 232 MiB, of which the attention's query,
+key, value and output are 32 MiB. Three kinds of module keep more than their gradients need:
 
 - an RMSNorm, ``weight * x * rsqrt(mean(x**2) + eps)``, keeps its input and the normalised input (24 MiB). Run
-  under ``torch.utils.checkpoint`` it keeps its input alone (12 MiB), and the backward runs the module's forward
-  again (a few elementwise ops) and then its own autograd graph: the gradients are the model's own, bit for bit.
+  under ``torch.utils.checkpoint`` it keeps its input alone (12 MiB); its backward runs the module's forward again
+  (a few elementwise ops) and then its own autograd graph, so its gradients are the model's, bit for bit.
+- the projections that read a norm's output (q, k and v; the MLP's gate and up) keep that output (12 MiB, twice a
+  layer). ``_LinearOfNorm`` keeps the norm's input instead, which the norm keeps anyway; the backward computes the
+  output again from it, once for all the projections that read it (``_NormOutput``).
 - the gated MLP, ``down(act(gate(x)) * up(x))`` (SwiGLU, GeGLU), keeps gate(x), act(gate(x)), up(x) and their
-  product (128 MiB). ``_GatedDown`` keeps gate(x) and up(x) (64 MiB). Its backward computes act and the product
+  product (128 MiB). ``_GatedDown`` keeps gate(x) and up(x) (64 MiB); its backward computes act and the product
   again, then the down projection's two products and the activation's own backward (``aten.silu_backward``,
   ``aten.gelu_backward``, the ops autograd calls).
 
-The forwards compute the same ops as the model's, so their outputs are the same bit for bit. A module is patched
-on its instance (its ``forward``), never on its class, and ``restore`` undoes it. The patched forward runs the
-module's own when no gradient is recorded (``torch.no_grad``, inference), and the MLP's own when its down
-projection is no longer a plain ``torch.nn.Linear`` (a PEFT adapter put there after ``apply``).
+That is 120 MiB a layer instead of 232. The forwards compute the same ops as the model's, so their outputs are
+the same bit for bit; the projections' gradients differ from autograd's by the rounding of their products. A
+module is patched on its instance (its ``forward``), never on its class, and ``restore`` undoes it. A patched
+forward runs the module's own when no gradient is recorded (``torch.no_grad``, inference), a projection's own when
+its input is not a norm's output (or was changed in place since), and an MLP's own when its down projection is no
+longer a plain ``torch.nn.Linear`` or has hooks (a PEFT adapter put there after ``apply``).
 
 Method: Hsu et al., "Liger Kernel: Efficient Triton Kernels for LLM Training" (2024), whose RMSNorm and SwiGLU
 keep their inputs only; Chen et al., "Training Deep Nets with Sublinear Memory Cost" (2016), recomputation.
@@ -46,6 +51,50 @@ def _activation(module):
     return None
 
 
+class _NormOutput:
+    """An RMSNorm's output as the backward of the projections that read it computes it again: the norm's forward,
+    its input (which the norm keeps anyway), the output's version at the norm's return, and the output once
+    computed, held while projections still to run their backward need it (a layer's q, k and v share one)."""
+
+    def __init__(self, forward, x, version):
+        self.forward, self.x, self.version = forward, x, version
+        self.pending, self.value = 0, None
+
+    def take(self, x, compute=True):
+        """The output computed from the norm's input ``x`` (None with ``compute`` False), for one projection."""
+        value = self.value
+        if compute and value is None:
+            value = self.value = self.forward(x)
+        self.pending -= 1
+        if self.pending <= 0:  # (the last one; a retained graph's second backward computes it again)
+            self.value = None
+        return value
+
+
+class _LinearOfNorm(torch.autograd.Function):
+    """``linear(x, weight, bias)`` of an RMSNorm's output x (``norm``: its ``_NormOutput``), keeping the norm's
+    input instead of x."""
+
+    @staticmethod
+    @torch.amp.custom_fwd(device_type="cpu")
+    def forward(ctx, x, weight, bias, norm):
+        norm.pending += 1
+        ctx.norm, ctx.has_bias = norm, bias is not None
+        ctx.save_for_backward(norm.x, weight)
+        return F.linear(x, weight, bias)
+
+    @staticmethod
+    @once_differentiable
+    @torch.amp.custom_bwd(device_type="cpu")
+    def backward(ctx, grad):
+        source, weight = ctx.saved_tensors
+        need = ctx.needs_input_grad
+        x = ctx.norm.take(source, compute=need[1])
+        grad_weight = _rows(grad).T.mm(_rows(x)) if need[1] else None
+        grad_bias = _rows(grad).sum(0) if ctx.has_bias and need[2] else None
+        return grad.matmul(weight) if need[0] else None, grad_weight, grad_bias, None
+
+
 class _GatedDown(torch.autograd.Function):
     """``linear(act(gate) * up, weight, bias)``, keeping gate and up (not act(gate), nor the product)."""
 
@@ -63,24 +112,24 @@ class _GatedDown(torch.autograd.Function):
         # In place where it can be: beyond the two gradients it returns, the backward holds one gate-sized tensor
         # at a time (the last layer's comes while every layer's activations are still kept).
         gate, up, weight = ctx.saved_tensors
+        need = ctx.needs_input_grad
         activated = ctx.act(gate)
-        grad_weight = grad_bias = grad_gate = grad_up = None
-        if ctx.needs_input_grad[2]:
-            grad_weight = grad.flatten(0, -2).T.mm((activated * up).flatten(0, -2))
-        if ctx.has_bias and ctx.needs_input_grad[3]:
-            grad_bias = grad.flatten(0, -2).sum(0)
-        if ctx.needs_input_grad[0] or ctx.needs_input_grad[1]:
-            grad_product = grad.matmul(weight)
-            if ctx.needs_input_grad[1]:
-                grad_up = activated.mul_(grad_product)
-            if ctx.needs_input_grad[0]:
-                grad_gate = ctx.act_backward(grad_product.mul_(up), gate, grad_input=grad_product)
+        grad_weight = _rows(grad).T.mm(_rows(activated * up)) if need[2] else None
+        grad_bias = _rows(grad).sum(0) if ctx.has_bias and need[3] else None
+        grad_product = grad.matmul(weight)
+        grad_up = activated.mul_(grad_product) if need[1] else None
+        grad_gate = ctx.act_backward(grad_product.mul_(up), gate, grad_input=grad_product) if need[0] else None
         return grad_gate, grad_up, grad_weight, grad_bias, None, None
 
 
+def _rows(t):
+    return t.flatten(0, -2)
+
+
 def _mlp_forward(module, original, act, x):
-    down = module.down_proj
-    if not torch.is_grad_enabled() or type(down) is not torch.nn.Linear:
+    down = module.down_proj  # (its forward is not called: a module that adds to it, or a hook, must be called)
+    if not torch.is_grad_enabled() or type(down) is not torch.nn.Linear or down._forward_hooks \
+            or down._forward_pre_hooks:
         return original(x)
     if hasattr(module, "gate_up_proj"):  # (Phi-3: up * act(gate), the same product)
         gate, up = module.gate_up_proj(x).chunk(2, dim=-1)
@@ -89,24 +138,37 @@ def _mlp_forward(module, original, act, x):
     return _GatedDown.apply(gate, up, down.weight, down.bias, *act)
 
 
+def _linear_forward(module, original, x):
+    norm = getattr(x, "_attnpp_norm", None)
+    if norm is None or norm.version != x._version or not torch.is_grad_enabled():
+        return original(x)  # (not a norm's output, or changed in place since)
+    return _LinearOfNorm.apply(x, module.weight, module.bias, norm)
+
+
 def _norm_forward(original, hidden_states):
     if not torch.is_grad_enabled():
         return original(hidden_states)
-    return checkpoint(original, hidden_states, use_reentrant=False, preserve_rng_state=False)
+    out = checkpoint(original, hidden_states, use_reentrant=False, preserve_rng_state=False)
+    out._attnpp_norm = _NormOutput(original, hidden_states, out._version)
+    return out
 
 
 def patch(model, rms_norm=True, gated_mlp=True):
-    """Patches the model's RMSNorm modules (every module whose class name ends in ``RMSNorm``) and gated MLPs
-    (``GATED_MLPS``, with a SiLU or tanh-GELU activation) on their instances.
+    """Patches, on their instances, the model's RMSNorm modules (every module whose class name ends in ``RMSNorm``)
+    and with them its ``torch.nn.Linear`` projections but the output projection (those that read a norm's output
+    then keep the norm's input), and its gated MLPs (``GATED_MLPS``, with a SiLU or tanh-GELU activation).
 
     Returns:
         list of (module, its own instance ``forward`` or None): what ``restore`` puts back.
     """
+    head = model.get_output_embeddings()
     patched = []
     for module in model.modules():
         name = type(module).__name__
         if rms_norm and name.endswith("RMSNorm"):
             forward = functools.partial(_norm_forward, module.forward)
+        elif rms_norm and type(module) is torch.nn.Linear and module is not head:
+            forward = functools.partial(_linear_forward, module, module.forward)
         elif gated_mlp and name in GATED_MLPS and _activation(module) is not None:
             forward = functools.partial(_mlp_forward, module, module.forward, _activation(module))
         else:

@@ -118,15 +118,16 @@ def apply(model, *, rms_norm=True, gated_mlp=True):
     ``DistributedDataParallel``.
 
     The RMSNorms keep their input alone and recompute the rest in the backward (``torch.utils.checkpoint``); the
-    gated MLPs (SwiGLU, GeGLU) keep gate(x) and up(x) alone (``attnpp.transformers._activations``): half of a
-    Llama MLP's saved activations and of its norms'. Forward outputs are the model's bit for bit; gradients are
-    the model's up to the rounding of the down projection's products.
+    projections that read a norm's output keep the norm's input instead; the gated MLPs (SwiGLU, GeGLU) keep gate(x)
+    and up(x) alone (``attnpp.transformers._activations``): a Llama layer's saved activations are about half. The
+    forward's outputs are the model's bit for bit; gradients are the model's up to the rounding of the projections'
+    products.
 
     Args:
         model (transformers.PreTrainedModel): a causal LM of one of the classes in ``TESTED`` (or a subclass),
             whose output projection (``get_output_embeddings()``) is a ``torch.nn.Linear``.
         rms_norm (bool): recompute the RMSNorms (every module whose class name ends in ``RMSNorm``) in the
-            backward. Default: True.
+            backward, and their outputs for the ``torch.nn.Linear`` projections that read them. Default: True.
         gated_mlp (bool): the gated MLPs of the tested classes (with a SiLU or tanh-GELU activation) keep their
             two inputs alone. Default: True.
 
