@@ -74,7 +74,8 @@ and weights:
   layers, 12 query and 4 key/value heads, its embedding tied to the output projection), random-initialised, one
   AdamW step on sequences of random lengths filling 4 rows of 1,024 tokens, at V = 32,000 and 128,256: sdpa with
   transformers' loss on the sequences padded (one a row, micro-batches of 4 rows) against attnpp's attention
-  alone, with the fused loss (``attnpp.transformers.apply``), and with the fused loss on the packed rows (varlen).
+  alone, with ``attnpp.transformers.apply`` (the fused loss, the lean activations), and with it on the packed rows
+  (varlen).
   Each configuration runs in a fresh process of its own, one after another: a warm-up step, then a timed step
   (each configuration's figures printed on stderr as they come);
   the table's MiB is the growth of a step, its line the process's peak resident set and the ratio against issue

@@ -4,7 +4,8 @@ training step on sequences of random lengths, in four configurations:
 - ``sdpa``: transformers' ``sdpa`` attention and its own loss (the logits, then cross-entropy), the sequences
   padded, one a row, in micro-batches of B rows (gradient accumulation, ``num_items_in_batch``);
 - ``attnpp``: attnpp's attention alone, the same padded micro-batches;
-- ``attnpp fused``: attnpp's attention and its fused loss (``attnpp.transformers.apply``), the same micro-batches;
+- ``attnpp fused``: attnpp's attention, its fused loss and the lean activations (``attnpp.transformers.apply``), the
+  same micro-batches;
 - ``attnpp fused packed``: the same sequences packed into B rows of L tokens (position ids restarting, no
   padding: the varlen kernel), one batch.
 
