@@ -261,15 +261,16 @@ def test_lean_activations_with_a_retained_graph_and_frozen_projections():
     assert_within(grads[1], grads[0], grads[2], "gradients")
 
 
-def test_lean_activations_with_checkpointing_and_an_adapter():
-    """apply() under transformers' activation checkpointing (the layers recomputed around the recomputed norms),
-    and after each MLP's down projection is replaced by a LoRA-like module (a Linear plus a low-rank term, as a PEFT
+@pytest.mark.parametrize("reentrant", [False, True], ids=["non-reentrant", "reentrant"])
+def test_lean_activations_with_checkpointing_and_an_adapter(reentrant):
+    """apply() under transformers' activation checkpointing (the layers recomputed around the recomputed norms;
+    reentrant: the first forward without autograd, the patches only in the recomputation), and after each MLP's down projection is replaced by a LoRA-like module (a Linear plus a low-rank term, as a PEFT
     adapter is; the MLP then runs its own forward): the loss and gradients of the model without apply()."""
     plain, fused, reference = models("llama")
     batches = micro_batches(1)
     want, ref = step(plain, batches), step(reference, batches)
     for model in (plain, fused, reference):
-        model.activation_checkpointing_enable(dict(use_reentrant=False))
+        model.activation_checkpointing_enable(dict(use_reentrant=reentrant))
     for got in (step(plain, batches), step(fused, batches)):
         assert_within(got[0], want[0], ref[0], "loss")
         assert_within(got[1], want[1], ref[1], "gradients")
