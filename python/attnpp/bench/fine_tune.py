@@ -9,7 +9,7 @@ training step on sequences of random lengths, in four configurations:
 - ``attnpp fused packed``: the same sequences packed into B rows of L tokens (position ids restarting, no
   padding: the varlen kernel), one batch.
 
-Each configuration runs in a fresh process of its own (``python -m attnpp.bench.fine_tune``; in-process at --quick
+Each configuration runs in a fresh process of its own (``run_configuration`` in ``python -c``; in-process at --quick
 sizes), one after another, never two at once: the same weights and data, a warm-up step (under a dispatch mode
 that counts the tensors with two dimensions of size L any op returns: the dense masks), then ``steps`` timed
 steps, each with the growth of the peak resident set over the one before it (the table's MiB), and the process's
@@ -145,12 +145,16 @@ def run_configuration(spec):
                 parameters=parameters)
 
 
+CHILD = ("import json, sys; from attnpp.bench.fine_tune import run_configuration; "
+         "print(json.dumps(run_configuration(json.loads(sys.argv[1]))))")
+
+
 def measured(spec, fresh_process):
-    """``run_configuration(spec)`` in a fresh process (``python -m attnpp.bench.fine_tune``), or here."""
+    """``run_configuration(spec)`` in a fresh process (its figures as JSON on the last line), or here. (``python -c``:
+    ``python -m`` on this module would run it a second time beside the copy ``attnpp.bench`` imports.)"""
     if not fresh_process:
         return run_configuration(spec)
-    child = subprocess.run([sys.executable, "-m", "attnpp.bench.fine_tune", json.dumps(spec)], capture_output=True,
-                           text=True)
+    child = subprocess.run([sys.executable, "-c", CHILD, json.dumps(spec)], capture_output=True, text=True)
     if child.returncode != 0:
         raise RuntimeError(f"fine-tune configuration {spec['config']} failed: {child.stderr[-2000:]}")
     return json.loads(child.stdout.splitlines()[-1])
@@ -217,7 +221,3 @@ def fine_tune_cases(size, quick):
                               run=lambda s=spec, c=configs: fine_tune_calls(s, c, cache, not quick),
                               summary=fine_tune_summary(name, spec, configs, cache, memory)))
     return cases
-
-
-if __name__ == "__main__":  # one configuration in a fresh process: its figures as JSON on the last line
-    print(json.dumps(run_configuration(json.loads(sys.argv[1]))))
