@@ -90,6 +90,8 @@ CAPABILITY_VARS = ("ATTNPP_CPU_CAPABILITY", "ATEN_CPU_CAPABILITY", "MKL_ENABLE_I
 
 def capability_env(level):
     """The environment variables that force ``level`` on attnpp, PyTorch, MKL, oneDNN and OpenBLAS (each reads its
-    own at import)."""
+    own at import). ValueError for a level without them (avx512_bf16, the top level: nothing to force there)."""
+    if level not in MKL_INSTRUCTIONS:
+        raise ValueError(f"capability_env: no level {level!r} to force; the levels: {', '.join(MKL_INSTRUCTIONS)}")
     return dict(zip(CAPABILITY_VARS, (level, level, MKL_INSTRUCTIONS[level], ONEDNN_ISA[level],
                                       OPENBLAS_CORETYPE[level])))
