@@ -8,7 +8,8 @@ computing the loss from them with ``attnpp.torch``'s fused ``linear_cross_entrop
 the same pass over chunks of rows). Everything the model does after the projection (Gemma 2's soft-capping on the
 logits is the fused loss's ``softcap``; gpt-oss adds its router's auxiliary loss to the loss) stays the model's.
 Any other forward (eval mode, no labels, generation) is the model's own, logits included. ``apply`` also patches
-the model's RMSNorms and gated MLPs on their instances, so that they keep less for the backward (``_activations``).
+the model's RMSNorms, the projections that read them and its gated MLPs on their instances, so that they keep less
+for the backward (``_activations``).
 """
 import functools
 import inspect
@@ -43,7 +44,7 @@ class _FusedLoss:
         self.softcap = getattr(model.config.get_text_config(), "final_logit_softcapping", None)
         self.hidden = None
         self.capturing = False
-        self.modules = []  # (module, its own forward): the RMSNorms and gated MLPs patched (_activations.patch)
+        self.modules = []  # (module, its own forward): the norms, projections and MLPs patched (_activations.patch)
 
     def fused(self, args, kwargs):
         """Whether this call of the model's forward is a training forward with labels."""
@@ -105,8 +106,8 @@ def _restore(obj, name, value):
 
 def apply(model, *, rms_norm=True, gated_mlp=True):
     """Makes a causal LM's training forward compute its loss with attnpp's fused linear + cross-entropy, from the
-    last hidden states, without the (B, L, V) logits (nor their gradient), and its RMSNorms and gated MLPs keep
-    less for the backward. Undone by ``revert``.
+    last hidden states, without the (B, L, V) logits (nor their gradient), and its RMSNorms, the projections that
+    read them and its gated MLPs keep less for the backward. Undone by ``revert``.
 
     A forward in training mode (``model.train()``, as ``Trainer`` runs it) with ``labels`` (or ``shift_labels``)
     returns the loss (the model's ``loss_function``'s: labels shifted left, ``ignore_index``,
