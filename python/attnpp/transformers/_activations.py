@@ -169,8 +169,8 @@ def patch(model, rms_norm=True, gated_mlp=True):
             forward = functools.partial(_norm_forward, module.forward)
         elif rms_norm and type(module) is torch.nn.Linear and module is not head:
             forward = functools.partial(_linear_forward, module, module.forward)
-        elif gated_mlp and name in GATED_MLPS and _activation(module) is not None:
-            forward = functools.partial(_mlp_forward, module, module.forward, _activation(module))
+        elif gated_mlp and name in GATED_MLPS and (act := _activation(module)) is not None:
+            forward = functools.partial(_mlp_forward, module, module.forward, act)
         else:
             continue
         patched.append((module, module.__dict__.get("forward")))
