@@ -173,6 +173,32 @@ def test_torch_backward_hands_the_forward_gradients_on(rng):
         for name, a, r in zip(("input", "weight", "bias"), ours, theirs):
             np.testing.assert_allclose(a.grad.numpy(), r.grad.numpy(), rtol=0, atol=1e-12, err_msg=name)
 
+
+def test_torch_backward_allocates_nothing_of_the_weights_size(rng):
+    """The backward of the fused loss hands on the weight's gradient the forward computed, in place: no op of it
+    returns new memory of the weight's size (not a copy, nor zeros for the unused outputs' gradients, the
+    logsumexp's and the forward gradients', which autograd would otherwise materialise)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    x, w, t, _ = case_arrays(rng, (4, 8), 300, np.float32)
+    x, w = (torch.tensor(a, requires_grad=True) for a in (x, w))
+    loss = AT.linear_cross_entropy(x, w, torch.tensor(t))
+    new = []
+
+    class Allocations(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            known = {a.untyped_storage().data_ptr() for a in args if isinstance(a, torch.Tensor)}
+            for o in out if isinstance(out, (tuple, list)) else (out,):
+                if isinstance(o, torch.Tensor) and o.untyped_storage().nbytes() >= w.untyped_storage().nbytes() \
+                        and o.untyped_storage().data_ptr() not in known:
+                    new.append(str(func))
+            return out
+    with Allocations():
+        loss.backward()
+    assert new == []
+    ref = torch.nn.functional.cross_entropy(x.detach() @ w.detach().T, torch.tensor(t))
+    assert torch.allclose(loss, ref)
+
 def test_layer_forward_backward_and_no_grad(rng):
     x, w, t, b = case_arrays(rng, (6, 8), 13, np.float64)
     layer = ann.LinearCrossEntropyLoss(label_smoothing=0.1, reduction="sum")

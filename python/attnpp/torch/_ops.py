@@ -411,10 +411,15 @@ def _lce_setup_context(ctx, inputs, output, hold=False):
     # weight's (V, H) gradient is there twice at the step's peak (once more as its product with the loss's
     # gradient). A traced graph takes saved tensors only.
     ctx.held = [g.detach() for g in grads] if hold else None
+    if hold:  # (the other outputs' gradients, undefined, stay None: materialised, the weight's zeros (V, H))
+        ctx.set_materialize_grads(False)
     ctx.save_for_backward(input, weight, target, bias, output[1], *([] if hold else grads))
 
 
 def _lce_backward_formula(ctx, grad_loss, *_):
+    if grad_loss is None:  # (eager, its output gradients not materialised: none reached the loss)
+        ctx.held = None
+        return (None,) * 9
     input, weight, target, bias, lse, *grads = ctx.saved_tensors
     grad_loss = grad_loss.to(input.dtype)  # (the loss is float32 for half precision; its gradient in the input's)
     if ctx.held:  # the forward's gradients (those of a loss of gradient 1), scaled; a retained graph's next
