@@ -23,6 +23,9 @@ constexpr int64_t kForwardRows = 256;
 // forward's task walks the keys in sub-blocks of this many rows, each over its own keys, all of them taken from
 // the task's keys packed once (up to kSharedPack elements of K and V: they stay in the L2 cache).
 constexpr int64_t kWindowRows = 64, kSharedPack = int64_t(1) << 17;
+// Elsewhere a task takes several row blocks when that leaves this many tasks a thread, and packs their keys once
+// when there are at most kHeadPack elements of K and V (4 MiB in float: (1, 12, 8192, 64) causal's last rows').
+constexpr int64_t kTasksPerThread = 4, kHeadPack = int64_t(1) << 20;
 // Keys per block of the forward where they are hidden from some of the block's rows (the causal diagonal): the
 // hidden part computed shrinks with the block (at (1,12,2048,64) causal, blocks of 128 computed 6% more than the
 // visible scores; of 64, 3%). A multiple of every product's panel width.
@@ -192,18 +195,26 @@ void forward(const View4<Q>& out, compute_t<T>* logsumexp, const View4<const Q>&
   const bool stacked = stack > 1;
   const bool grouped = !stacked && cfg.N * cfg.Hk * row_blocks >= 8 * int64_t(thread_count());
   const int64_t heads_per_block = stacked ? stack : grouped ? group : 1;
-  const int64_t head_blocks = ceil_div(g, heads_per_block), tasks_per_n = cfg.Hk * head_blocks * row_blocks;
+  const int64_t head_blocks = ceil_div(g, heads_per_block);
+  // Without a window's left end, a task takes several row blocks of its heads in turn (as many as leave
+  // kTasksPerThread tasks a thread), and packs the keys they see once for all of them when they fit
+  // (kHeadPack): each row block packed every key block it saw (at (1,12,1024,64), 7% of the time at AVX2).
+  const bool windowed = cfg.window_left >= 0 && !stacked;
+  const int64_t head_tasks = std::max<int64_t>(1, cfg.N * cfg.Hk * head_blocks);  // (>= 1: empty arrays)
+  const int64_t per_task = windowed ? 1 : std::max<int64_t>(1, ceil_div(row_blocks, std::clamp<int64_t>(ceil_div(
+      kTasksPerThread * int64_t(thread_count()), head_tasks), 1, std::max<int64_t>(row_blocks, 1))));
+  const int64_t row_groups = ceil_div(row_blocks, per_task), tasks_per_n = cfg.Hk * head_blocks * row_groups;
   parallel_for(
       cfg.N * tasks_per_n, cfg.work(),
       [&](int64_t task) {
-        const int64_t n = task / tasks_per_n, hk = task % tasks_per_n / (head_blocks * row_blocks);
-        // (the row blocks last first: under the causal mask they have the most keys, and the threads then share the
+        const int64_t n = task / tasks_per_n, hk = task % tasks_per_n / (head_blocks * row_groups);
+        // (the row groups last first: under the causal mask they have the most keys, and the threads then share the
         // smaller ones at the end)
-        const int64_t hb = task / row_blocks % head_blocks, i0 = (row_blocks - 1 - task % row_blocks) * bl;
+        const int64_t hb = task / row_groups % head_blocks, rg = row_groups - 1 - task % row_groups;
         const Visible vis = cfg.seq(n);
-        if (i0 >= vis.L) return;
-        const int64_t h0 = hk * g + hb * heads_per_block;
-        const RowBlock b{n, h0, std::min(heads_per_block, (hk + 1) * g - h0), i0, std::min(bl, vis.L - i0)};
+        const int64_t first_row = rg * per_task * bl, end_row = std::min(vis.L, (rg + 1) * per_task * bl);
+        if (first_row >= end_row) return;
+        const int64_t h0 = hk * g + hb * heads_per_block, heads = std::min(heads_per_block, (hk + 1) * g - h0);
         thread_local typename P::Packed kt;               // (D, Bc) k_blk^T
         thread_local typename W::Packed vb;               // (Bc, Dv) v_blk
         thread_local typename P::Buffer q_buf;            // the block's queries
@@ -212,116 +223,128 @@ void forward(const View4<Q>& out, compute_t<T>* logsumexp, const View4<const Q>&
         thread_local Eigen::Matrix<C, Eigen::Dynamic, 1> m, l;  // (Br) running max and running sum
         thread_local Eigen::Matrix<C, Eigen::Dynamic, 1> m_new, alpha;  // (rows of a key block) the max's update
         thread_local Eigen::Matrix<C, 1, Eigen::Dynamic> o_row;  // (Dv) an output row before it is written
-        const int64_t R = b.count();
-        // the block's query rows (row r: head b.head(r), query b.query(r)): in place for one head (converted for
-        // halves), gathered for several
-        const auto query_row = [&](int64_t r) { return q.at(n, b.head(r), vis.q0 + b.query(r)); };
-        const auto q_blk = b.heads == 1 ? P::rows(q_buf, q, n, h0, vis.q0 + i0, R, cfg.D)
-                                        : P::gather(q_buf, query_row, R, cfg.D);
-        acc.setZero(R, cfg.Dv);
-        m.setConstant(R, neg_inf<C>());
-        l.setZero(R);
-        // rows [s0, s0 + sub_rows) walk keys [first_key(s0), last_key(s0 + sub_rows - 1)] (windowed: sub-blocks,
-        // their keys in kt and vb packed once for the task when they fit: `shared`)
-        const bool windowed = cfg.window_left >= 0 && !stacked;
-        const int64_t sub_rows = windowed ? kWindowRows : b.rows;
-        const int64_t span0 = vis.first_key(i0), span1 = std::min(vis.S, vis.last_key(i0 + b.rows - 1) + 1);
-        const bool shared = windowed && span1 > span0 && (span1 - span0) * (cfg.D + cfg.Dv) <= kSharedPack;
-        // a few rows (a decoding step's) read the keys in place, as they do the values (attention_products.hpp)
-        const bool keys_in_place = !shared && R <= kFewRows;
-        if (shared) {
-          P::pack(kt, k, n, hk, vis.k0 + span0, span1 - span0, cfg.D, true);
-          W::pack(vb, v, n, hk, vis.k0 + span0, span1 - span0, cfg.Dv, false);
+        // the group's keys packed once (keys [0, last_key + 1): first_key is 0 without a window's left end)
+        const int64_t group_keys = std::min(vis.S, vis.last_key(end_row - 1) + 1);
+        const bool group_shared = !windowed && end_row - first_row > bl && group_keys > 0 &&
+                                  group_keys * (cfg.D + cfg.Dv) <= kHeadPack;
+        if (group_shared) {
+          P::pack(kt, k, n, hk, vis.k0, group_keys, cfg.D, true);
+          W::pack(vb, v, n, hk, vis.k0, group_keys, cfg.Dv, false);
         }
-        for (int64_t s0 = 0; s0 < b.rows; s0 += sub_rows) {
-          const int64_t s1 = std::min(b.rows, s0 + sub_rows);
-          int64_t j_begin = vis.first_key(i0 + s0);
-          const int64_t j_end = std::min(vis.S, vis.last_key(i0 + s1 - 1) + 1);
-          if (shared) j_begin = span0 + (j_begin - span0) / P::kPanel * P::kPanel;  // from a panel's start (even)
-          // from `edge` on, the keys are hidden from some of the rows (the causal diagonal, a window's right end):
-          // blocks of kEdgeKeys there, so that less of the hidden part is computed
-          const int64_t seen_by_all = std::max<int64_t>(0, vis.last_key(i0 + s0) + 1 - j_begin);
-          const int64_t edge = j_begin + seen_by_all / kEdgeKeys * kEdgeKeys;
-          for (int64_t j0 = j_begin, cols; j0 < j_end; j0 += cols) {
-            cols = std::min(j0 < edge ? std::min(bs, edge - j0) : kEdgeKeys, j_end - j0);
-            // this key block's rows: all R rows of a stacked block, else each head's rows [r0, r0 + rows) that see
-            // keys of the block (the others are hidden from it), head after head
-            const int64_t r_first = std::clamp<int64_t>(vis.first_query(j0) - i0, s0, s1);
-            const int64_t r_rows = std::clamp<int64_t>(vis.last_query(j0 + cols - 1) + 1 - i0, r_first, s1) - r_first;
-            if (!stacked && r_rows == 0) continue;
-            if (!shared && !keys_in_place) P::pack(kt, k, n, hk, vis.k0 + j0, cols, cfg.D, true);
-            // v_blk packed: for the task (shared), else at the first of several heads (offset: its first row's)
-            bool values_packed = shared;
-            const int64_t v_row0 = shared ? j0 - span0 : 0;
-            for (int64_t hh = 0; hh < (stacked ? 1 : b.heads); ++hh) {
-              const RowBlock sub = stacked ? b : RowBlock{n, b.h0 + hh, 1, i0 + r_first, r_rows};
-              const int64_t r0 = stacked ? 0 : hh * b.rows + r_first, br = sub.count();
-              if (!score_block<P>(s_blk, nullptr, offset(q_blk, r0), kt, sub, cols, cfg, vis, j0,
-                                  shared ? j0 - span0 : 0, keys_in_place ? k.at(n, hk, vis.k0 + j0) : nullptr, k.row))
-                continue;
-              // each row's new running max, and alpha = exp(m_old - m_new), which rescales what was summed under
-              // the old max (one vectorized exp for the block's rows)
-              m_new.resize(br);
-              alpha.resize(br);
-              for (int64_t r = 0; r < br; ++r) {
-                const C blk_max = row_max(&s_blk(r, 0), cols), m_old = m(r0 + r);
-                m_new(r) = std::isnan(blk_max) || blk_max > m_old ? blk_max : m_old;
-                alpha(r) = m_new(r) == neg_inf<C>() ? C(0) : m_old - m_new(r);
-              }
-              exp_shifted_in_place(alpha.data(), br, C(0));
-              for (int64_t r = 0; r < br; ++r) {
-                if (m_new(r) == neg_inf<C>()) {  // nothing visible yet in this row
-                  s_blk.row(r).setZero();
+        for (int64_t i0 = first_row; i0 < end_row; i0 += bl) {
+          const RowBlock b{n, h0, heads, i0, std::min(bl, vis.L - i0)};
+          const int64_t R = b.count();
+          // the block's query rows (row r: head b.head(r), query b.query(r)): in place for one head (converted for
+          // halves), gathered for several
+          const auto query_row = [&](int64_t r) { return q.at(n, b.head(r), vis.q0 + b.query(r)); };
+          const auto q_blk = b.heads == 1 ? P::rows(q_buf, q, n, h0, vis.q0 + i0, R, cfg.D)
+                                          : P::gather(q_buf, query_row, R, cfg.D);
+          acc.setZero(R, cfg.Dv);
+          m.setConstant(R, neg_inf<C>());
+          l.setZero(R);
+          // rows [s0, s0 + sub_rows) walk keys [first_key(s0), last_key(s0 + sub_rows - 1)] (windowed: sub-blocks,
+          // their keys in kt and vb packed once for the task when they fit: `shared`)
+          const int64_t sub_rows = windowed ? kWindowRows : b.rows;
+          const int64_t span0 = group_shared ? 0 : vis.first_key(i0);
+          const int64_t span1 = group_shared ? group_keys : std::min(vis.S, vis.last_key(i0 + b.rows - 1) + 1);
+          const bool shared = group_shared ||
+                              (windowed && span1 > span0 && (span1 - span0) * (cfg.D + cfg.Dv) <= kSharedPack);
+          // a few rows (a decoding step's) read the keys in place, as they do the values (attention_products.hpp)
+          const bool keys_in_place = !shared && R <= kFewRows;
+          if (shared && !group_shared) {
+            P::pack(kt, k, n, hk, vis.k0 + span0, span1 - span0, cfg.D, true);
+            W::pack(vb, v, n, hk, vis.k0 + span0, span1 - span0, cfg.Dv, false);
+          }
+          for (int64_t s0 = 0; s0 < b.rows; s0 += sub_rows) {
+            const int64_t s1 = std::min(b.rows, s0 + sub_rows);
+            int64_t j_begin = vis.first_key(i0 + s0);
+            const int64_t j_end = std::min(vis.S, vis.last_key(i0 + s1 - 1) + 1);
+            if (shared) j_begin = span0 + (j_begin - span0) / P::kPanel * P::kPanel;  // from a panel's start (even)
+            // from `edge` on, the keys are hidden from some of the rows (the causal diagonal, a window's right end):
+            // blocks of kEdgeKeys there, so that less of the hidden part is computed
+            const int64_t seen_by_all = std::max<int64_t>(0, vis.last_key(i0 + s0) + 1 - j_begin);
+            const int64_t edge = j_begin + seen_by_all / kEdgeKeys * kEdgeKeys;
+            for (int64_t j0 = j_begin, cols; j0 < j_end; j0 += cols) {
+              cols = std::min(j0 < edge ? std::min(bs, edge - j0) : kEdgeKeys, j_end - j0);
+              // this key block's rows: all R rows of a stacked block, else each head's rows [r0, r0 + rows) that see
+              // keys of the block (the others are hidden from it), head after head
+              const int64_t r_first = std::clamp<int64_t>(vis.first_query(j0) - i0, s0, s1);
+              const int64_t r_rows = std::clamp<int64_t>(vis.last_query(j0 + cols - 1) + 1 - i0, r_first, s1) - r_first;
+              if (!stacked && r_rows == 0) continue;
+              if (!shared && !keys_in_place) P::pack(kt, k, n, hk, vis.k0 + j0, cols, cfg.D, true);
+              // v_blk packed: for the task (shared), else at the first of several heads (offset: its first row's)
+              bool values_packed = shared;
+              const int64_t v_row0 = shared ? j0 - span0 : 0;
+              for (int64_t hh = 0; hh < (stacked ? 1 : b.heads); ++hh) {
+                const RowBlock sub = stacked ? b : RowBlock{n, b.h0 + hh, 1, i0 + r_first, r_rows};
+                const int64_t r0 = stacked ? 0 : hh * b.rows + r_first, br = sub.count();
+                if (!score_block<P>(s_blk, nullptr, offset(q_blk, r0), kt, sub, cols, cfg, vis, j0,
+                                    shared ? j0 - span0 : 0, keys_in_place ? k.at(n, hk, vis.k0 + j0) : nullptr, k.row))
                   continue;
+                // each row's new running max, and alpha = exp(m_old - m_new), which rescales what was summed under
+                // the old max (one vectorized exp for the block's rows)
+                m_new.resize(br);
+                alpha.resize(br);
+                for (int64_t r = 0; r < br; ++r) {
+                  const C blk_max = row_max(&s_blk(r, 0), cols), m_old = m(r0 + r);
+                  m_new(r) = std::isnan(blk_max) || blk_max > m_old ? blk_max : m_old;
+                  alpha(r) = m_new(r) == neg_inf<C>() ? C(0) : m_old - m_new(r);
                 }
-                l(r0 + r) = l(r0 + r) * alpha(r) + exp_shifted_in_place(&s_blk(r, 0), cols, m_new(r));
-                acc.row(r0 + r) *= alpha(r);
-                m(r0 + r) = m_new(r);
+                exp_shifted_in_place(alpha.data(), br, C(0));
+                for (int64_t r = 0; r < br; ++r) {
+                  if (m_new(r) == neg_inf<C>()) {  // nothing visible yet in this row
+                    s_blk.row(r).setZero();
+                    continue;
+                  }
+                  l(r0 + r) = l(r0 + r) * alpha(r) + exp_shifted_in_place(&s_blk(r, 0), cols, m_new(r));
+                  acc.row(r0 + r) *= alpha(r);
+                  m(r0 + r) = m_new(r);
+                }
+                if (cfg.dropout_p > 0) apply_dropout(s_blk, cfg, sub, j0);
+                // acc += p v_blk
+                C* acc_rows = acc.data() + r0 * cfg.Dv;
+                if (!values_packed && b.heads > 1 && !stacked) {
+                  W::pack(vb, v, n, hk, vis.k0 + j0, cols, cfg.Dv, false);
+                  values_packed = true;
+                }
+                if (values_packed)
+                  W::weights_product(acc_rows, cfg.Dv, s_blk, w_buf, vb, cfg.Dv, C(1), Write::accumulate, v_row0);
+                else
+                  W::add_weighted_values(acc_rows, s_blk, w_buf, vb, v, n, hk, vis.k0 + j0, cfg.Dv);
               }
-              if (cfg.dropout_p > 0) apply_dropout(s_blk, cfg, sub, j0);
-              // acc += p v_blk
-              C* acc_rows = acc.data() + r0 * cfg.Dv;
-              if (!values_packed && b.heads > 1 && !stacked) {
-                W::pack(vb, v, n, hk, vis.k0 + j0, cols, cfg.Dv, false);
-                values_packed = true;
-              }
-              if (values_packed)
-                W::weights_product(acc_rows, cfg.Dv, s_blk, w_buf, vb, cfg.Dv, C(1), Write::accumulate, v_row0);
-              else
-                W::add_weighted_values(acc_rows, s_blk, w_buf, vb, v, n, hk, vis.k0 + j0, cfg.Dv);
             }
           }
-        }
-        for (int64_t r = 0; r < R; ++r) {
-          const int64_t h = b.head(r), i = b.query(r);
-          C& lse = logsumexp[cfg.lse_index(n, h, i)];
-          const C lse_prev = cfg.accumulate ? lse : neg_inf<C>();
-          const C lse_keys = l(r) == 0 ? neg_inf<C>() : m(r) + std::log(l(r));
-          if (cfg.sinks) {  // the sink joins the denominator as a key would: l + exp(sink - m), both from mx
-            const C sink = cfg.sinks[h];
-            if (l(r) == 0) {
+          for (int64_t r = 0; r < R; ++r) {
+            const int64_t h = b.head(r), i = b.query(r);
+            C& lse = logsumexp[cfg.lse_index(n, h, i)];
+            const C lse_prev = cfg.accumulate ? lse : neg_inf<C>();
+            const C lse_keys = l(r) == 0 ? neg_inf<C>() : m(r) + std::log(l(r));
+            if (cfg.sinks) {  // the sink joins the denominator as a key would: l + exp(sink - m), both from mx
+              const C sink = cfg.sinks[h];
+              if (l(r) == 0) {
+                o_row.setZero(cfg.Dv);
+                lse = sink;
+              } else {  // (not exp(lse_keys - lse): the rounding of two log-sum-exps doubled the output's error)
+                const C mx = std::max(m(r), sink), keys = std::exp(m(r) - mx);
+                const C denominator = l(r) * keys + std::exp(sink - mx);
+                o_row = acc.row(r) * (keys / denominator);
+                lse = mx + std::log(denominator);
+              }
+            } else if (l(r) == 0) {  // fully masked row: output 0, never NaN
               o_row.setZero(cfg.Dv);
-              lse = sink;
-            } else {  // (not exp(lse_keys - lse): the rounding of two log-sum-exps doubled the output's error)
-              const C mx = std::max(m(r), sink), keys = std::exp(m(r) - mx);
-              const C denominator = l(r) * keys + std::exp(sink - mx);
-              o_row = acc.row(r) * (keys / denominator);
-              lse = mx + std::log(denominator);
+              lse = neg_inf<C>();
+            } else {  // (NaN in the row's scores makes l NaN: the row's output is NaN)
+              o_row = acc.row(r) / l(r);
+              lse = lse_keys;
             }
-          } else if (l(r) == 0) {  // fully masked row: output 0, never NaN
-            o_row.setZero(cfg.Dv);
-            lse = neg_inf<C>();
-          } else {  // (NaN in the row's scores makes l NaN: the row's output is NaN)
-            o_row = acc.row(r) / l(r);
-            lse = lse_keys;
+            Q* dst = out.at(n, h, vis.q0 + i);
+            if (cfg.accumulate && lse_prev != neg_inf<C>()) {  // o = (o_prev e^lse_prev + o_keys e^lse_keys) / e^lse
+              lse = log_add_exp(lse_prev, lse);
+              const C w_prev = std::exp(lse_prev - lse), w_keys = l(r) == 0 ? C(0) : std::exp(lse_keys - lse);
+              for (int64_t c = 0; c < cfg.Dv; ++c) o_row(c) = w_prev * load(dst[c]) + w_keys * o_row(c);
+            }
+            store_n(dst, o_row.data(), cfg.Dv);  // rounded once, for halves
           }
-          Q* dst = out.at(n, h, vis.q0 + i);
-          if (cfg.accumulate && lse_prev != neg_inf<C>()) {  // o = (o_prev e^lse_prev + o_keys e^lse_keys) / e^lse
-            lse = log_add_exp(lse_prev, lse);
-            const C w_prev = std::exp(lse_prev - lse), w_keys = l(r) == 0 ? C(0) : std::exp(lse_keys - lse);
-            for (int64_t c = 0; c < cfg.Dv; ++c) o_row(c) = w_prev * load(dst[c]) + w_keys * o_row(c);
-          }
-          store_n(dst, o_row.data(), cfg.Dv);  // rounded once, for halves
         }
       });
 }

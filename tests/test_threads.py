@@ -109,6 +109,23 @@ def test_bitwise_identical_for_fixed_count_and_across_counts(threads, rng, dtype
                 np.testing.assert_array_equal(a, b, err_msg=f"{run} on {n} threads")
 
 
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("kw", [dict(is_causal=True), {}, dict(is_causal=True, enable_gqa=True)],
+                         ids=["causal", "full", "gqa"])
+def test_forward_row_groups_bitwise_across_counts(threads, rng, dtype, kw):
+    """With few heads for the threads, a forward task takes several blocks of 256 query rows and packs their keys
+    once (attention.cpp): on 1 thread one task takes the 3 blocks of a head, on 2 two and one, on 3 and 5 one each.
+    The outputs and log-sum-exps are the same bits on every count, the 1-block tasks' (the parity tests' path)."""
+    q = rng.standard_normal((1, 4, 700, 32)).astype(dtype)
+    k, v = (rng.standard_normal((1, 2 if kw.get("enable_gqa") else 4, 700, 32)).astype(dtype) for _ in range(2))
+    results = {}
+    for n in (1, 2, 3, 5):
+        threads(n)
+        results[n] = AF.scaled_dot_product_attention_forward(q, k, v, **kw)[:2]
+    for n, result in results.items():
+        for a, b in zip(result, results[3]):
+            np.testing.assert_array_equal(a, b, err_msg=f"{kw} on {n} threads")
+
 # ---------------------------------------------------------------------------------------------------- the GIL
 def _timed_calls(fn, count, spans):
     for _ in range(count):
