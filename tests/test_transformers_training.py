@@ -230,16 +230,17 @@ def test_lean_activations_keep_less_of_the_mlp_and_norms(name):
     """apply()'s RMSNorms keep their input alone (not also the normalised input and each row's rsqrt:
     B*L*(hidden + 1) fewer floats each), and the projections that read a norm's output (q, k and v; the MLP's gate
     and up) keep the norm's input instead, which the norm keeps anyway (B*L*hidden fewer floats, twice a layer);
-    its gated MLPs keep gate(x) and up(x), not act(gate(x)) and the product (2*B*L*intermediate fewer floats).
-    Phi-3's gate and up are halves of one projection. Measured as the bytes autograd keeps, against the fused loss
-    alone."""
+    its gated MLPs keep gate(x) alone, not act(gate(x)), the product, nor up(x), computed again from the norm's input
+    (3*B*L*intermediate fewer floats). Phi-3's gate and up are halves of one projection, both kept. Measured as the
+    bytes autograd keeps, against the fused loss alone."""
     config = hf_config(name)
     loss_only = AT.apply(hf_model(name, "attnpp"), rms_norm=False, gated_mlp=False)
     lean = AT.apply(hf_model(name, "attnpp"))
     tokens, layers = 2 * T, config.num_hidden_layers
     norms = 2 * layers + 1  # (each layer's two, and the last hidden states')
-    fewer = 4 * tokens * (norms * (config.hidden_size + 1) + layers * 2 * (config.hidden_size
-                                                                           + config.intermediate_size))
+    mlp = 2 if name == "phi3" else 3
+    fewer = 4 * tokens * (norms * (config.hidden_size + 1) + layers * (2 * config.hidden_size
+                                                                       + mlp * config.intermediate_size))
     assert saved_bytes(loss_only) - saved_bytes(lean) == fewer
 
 
@@ -264,8 +265,9 @@ def test_lean_activations_with_a_retained_graph_and_frozen_projections():
 @pytest.mark.parametrize("reentrant", [False, True], ids=["non-reentrant", "reentrant"])
 def test_lean_activations_with_checkpointing_and_an_adapter(reentrant):
     """apply() under transformers' activation checkpointing (the layers recomputed around the recomputed norms;
-    reentrant: the first forward without autograd, the patches only in the recomputation), and after each MLP's down projection is replaced by a LoRA-like module (a Linear plus a low-rank term, as a PEFT
-    adapter is; the MLP then runs its own forward): the loss and gradients of the model without apply()."""
+    reentrant: the first forward without autograd, the patches only in the recomputation), and after the MLPs' down
+    or up projections are replaced by a LoRA-like module (a Linear plus a low-rank term, as a PEFT adapter is; the
+    MLP then runs its own forward, or keeps up's output): the loss and gradients of the model without apply()."""
     plain, fused, reference = models("llama")
     batches = micro_batches(1)
     want, ref = step(plain, batches), step(reference, batches)
@@ -287,8 +289,9 @@ def test_lean_activations_with_checkpointing_and_an_adapter(reentrant):
     for model in (plain, fused, reference):
         model.activation_checkpointing_disable()
         torch.manual_seed(1)
-        for layer in model.model.layers:
-            layer.mlp.down_proj = Adapter(layer.mlp.down_proj).to(layer.mlp.up_proj.weight.dtype)
+        for i, layer in enumerate(model.model.layers):  # (on the down projection, then on up: its input kept)
+            name = "up_proj" if i % 2 else "down_proj"
+            setattr(layer.mlp, name, Adapter(getattr(layer.mlp, name)).to(layer.mlp.gate_proj.weight.dtype))
     want, ref, got = step(plain, batches), step(reference, batches), step(fused, batches)
     assert_within(got[0], want[0], ref[0], "loss")
     assert_within(got[1], want[1], ref[1], "gradients")

@@ -11,16 +11,19 @@ key, value and output are 32 MiB. Three kinds of module keep more than their gra
   layer). ``_LinearOfNorm`` keeps the norm's input instead, which the norm keeps anyway; the backward computes the
   output again from it, once for all the projections that read it (``_NormOutput``).
 - the gated MLP, ``down(act(gate(x)) * up(x))`` (SwiGLU, GeGLU), keeps gate(x), act(gate(x)), up(x) and their
-  product (128 MiB). ``_GatedDown`` keeps gate(x) and up(x) (64 MiB); its backward computes act and the product
-  again, then the down projection's two products and the activation's own backward (``aten.silu_backward``,
-  ``aten.gelu_backward``, the ops autograd calls).
+  product (128 MiB). ``_GatedDown`` keeps gate(x) alone (32 MiB): up(x) too where x is not a norm's output, or
+  where up is half of one projection with gate (Phi-3's gate_up_proj). Its backward computes up(x) again, from x
+  computed again once for it and the gate projection, then act and the product, the down projection's two
+  products, up's two, and the activation's own backward (``aten.silu_backward``, ``aten.gelu_backward``, the ops
+  autograd calls). The one more product, up(x), is about a ninth of the MLP's.
 
-That is 120 MiB a layer instead of 232. The forwards compute the same ops as the model's, so their outputs are
+That is 88 MiB a layer instead of 232. The forwards compute the same ops as the model's, so their outputs are
 the same bit for bit; the projections' gradients differ from autograd's by the rounding of their products. A
 module is patched on its instance (its ``forward``), never on its class, and ``restore`` undoes it. A patched
 forward runs the module's own when no gradient is recorded (``torch.no_grad``, inference), a projection's own when
 its input is not a norm's output (or was changed in place since), and an MLP's own when its down projection is no
-longer a plain ``torch.nn.Linear`` or has hooks (a PEFT adapter put there after ``apply``).
+longer a plain ``torch.nn.Linear`` or has hooks (a PEFT adapter put there after ``apply``); an MLP keeps up(x) when
+its up projection is no longer one.
 
 Method: Hsu et al., "Liger Kernel: Efficient Triton Kernels for LLM Training" (2024), whose RMSNorm and SwiGLU
 keep their inputs only; Chen et al., "Training Deep Nets with Sublinear Memory Cost" (2016), recomputation.
@@ -96,46 +99,77 @@ class _LinearOfNorm(torch.autograd.Function):
 
 
 class _GatedDown(torch.autograd.Function):
-    """``linear(act(gate) * up, weight, bias)``, keeping gate and up (not act(gate), nor the product)."""
+    """``linear(act(gate) * up, weight, bias)``, keeping gate and up (not act(gate), nor the product). Or, given
+    ``up_of`` = (x, up's weight, up's bias, x's ``_NormOutput``) in place of ``up``: up = linear(x, ...) computed
+    here, and again in the backward from the norm's input, which the norm keeps anyway (x computed once for this
+    and the gate projection's backward)."""
 
     @staticmethod
     @torch.amp.custom_fwd(device_type="cpu")
-    def forward(ctx, gate, up, weight, bias, act, act_backward):
+    def forward(ctx, gate, up, weight, bias, act, act_backward, *up_of):
         ctx.act, ctx.act_backward, ctx.has_bias = act, act_backward, bias is not None
-        ctx.save_for_backward(gate, up, weight)
+        ctx.norm = up_of[3] if up_of else None
+        if ctx.norm is not None:
+            x, up_weight, up_bias, norm = up_of
+            norm.pending += 1
+            up = F.linear(x, up_weight, up_bias)
+            ctx.save_for_backward(gate, norm.x, weight, up_weight, up_bias)
+        else:
+            ctx.save_for_backward(gate, up, weight)
         return F.linear(act(gate) * up, weight, bias)
 
     @staticmethod
     @once_differentiable
     @torch.amp.custom_bwd(device_type="cpu")
     def backward(ctx, grad):
-        # In place where it can be: beyond the two gradients it returns, the backward holds one gate-sized tensor
-        # at a time (the last layer's comes while every layer's activations are still kept).
-        gate, up, weight = ctx.saved_tensors
+        # In place where it can be: beyond the gradients it returns, the backward holds one gate-sized tensor at a
+        # time (and up, when it computes it again; the last layer's comes while every layer's activations are kept).
+        gate, up, weight, *up_params = ctx.saved_tensors
         need = ctx.needs_input_grad
+        if ctx.norm is not None:  # (up holds the norm's input)
+            x = ctx.norm.take(up)
+            up = F.linear(x, *up_params)
+            need_up = any(need[6:9])
+        else:
+            need_up = need[1]
         activated = ctx.act(gate)
         grad_weight = _rows(grad).T.mm(_rows(activated * up)) if need[2] else None
         grad_bias = _rows(grad).sum(0) if ctx.has_bias and need[3] else None
         grad_product = grad.matmul(weight)
-        grad_up = activated.mul_(grad_product) if need[1] else None
+        grad_up = activated.mul_(grad_product) if need_up else None
         grad_gate = ctx.act_backward(grad_product.mul_(up), gate, grad_input=grad_product) if need[0] else None
-        return grad_gate, grad_up, grad_weight, grad_bias, None, None
+        grads = (grad_gate, grad_up, grad_weight, grad_bias, None, None)
+        if ctx.norm is None:
+            return grads
+        up_weight, up_bias = up_params
+        return grads[:1] + (None,) + grads[2:] + (
+            grad_up.matmul(up_weight) if need[6] else None,
+            _rows(grad_up).T.mm(_rows(x)) if need[7] else None,
+            _rows(grad_up).sum(0) if up_bias is not None and need[8] else None, None)
 
 
 def _rows(t):
     return t.flatten(0, -2)
 
 
+def _plain(linear):
+    """Whether ``linear`` is a plain ``torch.nn.Linear`` without hooks: one whose forward may be computed in its
+    stead (not a module that adds to it, as a PEFT adapter)."""
+    return type(linear) is torch.nn.Linear and not (linear._forward_hooks or linear._forward_pre_hooks)
+
+
 def _mlp_forward(module, original, act, x):
     down = module.down_proj  # (its forward is not called: a module that adds to it, or a hook, must be called)
-    if not torch.is_grad_enabled() or type(down) is not torch.nn.Linear or down._forward_hooks \
-            or down._forward_pre_hooks:
+    if not torch.is_grad_enabled() or not _plain(down):
         return original(x)
     if hasattr(module, "gate_up_proj"):  # (Phi-3: up * act(gate), the same product)
         gate, up = module.gate_up_proj(x).chunk(2, dim=-1)
-    else:
-        gate, up = module.gate_proj(x), module.up_proj(x)
-    return _GatedDown.apply(gate, up, down.weight, down.bias, *act)
+        return _GatedDown.apply(gate, up, down.weight, down.bias, *act)
+    gate, up_proj = module.gate_proj(x), module.up_proj
+    norm = getattr(x, "_attnpp_norm", None)
+    if norm is None or norm.version != x._version or not _plain(up_proj):
+        return _GatedDown.apply(gate, up_proj(x), down.weight, down.bias, *act)
+    return _GatedDown.apply(gate, None, down.weight, down.bias, *act, x, up_proj.weight, up_proj.bias, norm)
 
 
 def _linear_forward(module, original, x):
