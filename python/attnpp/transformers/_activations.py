@@ -93,9 +93,7 @@ class _LinearOfNorm(torch.autograd.Function):
         source, weight = ctx.saved_tensors
         need = ctx.needs_input_grad
         x = ctx.norm.take(source, compute=need[1])
-        grad_weight = _rows(grad).T.mm(_rows(x)) if need[1] else None
-        grad_bias = _rows(grad).sum(0) if ctx.has_bias and need[2] else None
-        return grad.matmul(weight) if need[0] else None, grad_weight, grad_bias, None
+        return _linear_grads(grad, x, weight, need[0], need[1], ctx.has_bias and need[2]) + (None,)
 
 
 class _GatedDown(torch.autograd.Function):
@@ -138,18 +136,28 @@ class _GatedDown(torch.autograd.Function):
         grad_product = grad.matmul(weight)
         grad_up = activated.mul_(grad_product) if need_up else None
         grad_gate = ctx.act_backward(grad_product.mul_(up), gate, grad_input=grad_product) if need[0] else None
-        grads = (grad_gate, grad_up, grad_weight, grad_bias, None, None)
         if ctx.norm is None:
-            return grads
+            return grad_gate, grad_up, grad_weight, grad_bias, None, None
         up_weight, up_bias = up_params
-        return grads[:1] + (None,) + grads[2:] + (
-            grad_up.matmul(up_weight) if need[6] else None,
-            _rows(grad_up).T.mm(_rows(x)) if need[7] else None,
-            _rows(grad_up).sum(0) if up_bias is not None and need[8] else None, None)
+        return (grad_gate, None, grad_weight, grad_bias, None, None,
+                *_linear_grads(grad_up, x, up_weight, need[6], need[7], up_bias is not None and need[8]), None)
 
 
 def _rows(t):
     return t.flatten(0, -2)
+
+
+def _linear_grads(grad, x, weight, need_input, need_weight, need_bias):
+    """The gradients of ``linear(x, weight, bias)`` from its output's ``grad``: (input's, weight's, bias's), each
+    None where not needed."""
+    return (grad.matmul(weight) if need_input else None, _rows(grad).T.mm(_rows(x)) if need_weight else None,
+            _rows(grad).sum(0) if need_bias else None)
+
+
+def _norm_of(x):
+    """The ``_NormOutput`` of ``x``, a patched norm's output unchanged since, or None."""
+    norm = getattr(x, "_attnpp_norm", None)
+    return norm if norm is not None and norm.version == x._version else None
 
 
 def _plain(linear):
@@ -165,16 +173,15 @@ def _mlp_forward(module, original, act, x):
     if hasattr(module, "gate_up_proj"):  # (Phi-3: up * act(gate), the same product)
         gate, up = module.gate_up_proj(x).chunk(2, dim=-1)
         return _GatedDown.apply(gate, up, down.weight, down.bias, *act)
-    gate, up_proj = module.gate_proj(x), module.up_proj
-    norm = getattr(x, "_attnpp_norm", None)
-    if norm is None or norm.version != x._version or not _plain(up_proj):
+    gate, up_proj, norm = module.gate_proj(x), module.up_proj, _norm_of(x)
+    if norm is None or not _plain(up_proj):
         return _GatedDown.apply(gate, up_proj(x), down.weight, down.bias, *act)
     return _GatedDown.apply(gate, None, down.weight, down.bias, *act, x, up_proj.weight, up_proj.bias, norm)
 
 
 def _linear_forward(module, original, x):
-    norm = getattr(x, "_attnpp_norm", None)
-    if norm is None or norm.version != x._version or not torch.is_grad_enabled():
+    norm = _norm_of(x)
+    if norm is None or not torch.is_grad_enabled():
         return original(x)  # (not a norm's output, or changed in place since)
     return _LinearOfNorm.apply(x, module.weight, module.bias, norm)
 
