@@ -89,7 +89,7 @@ inline void tile(T* C, int64_t ldc, const T* A, int64_t ars, int64_t acs, const 
   V acc[MR][NV];
   ATTNPP_UNROLL for (int i = 0; i < MR; ++i)
     ATTNPP_UNROLL for (int v = 0; v < NV; ++v) acc[i][v] = V{};
-  for (int64_t k = 0; k < K; ++k) {
+  _Pragma("GCC unroll 2") for (int64_t k = 0; k < K; ++k) {
     V b[NV];
     ATTNPP_UNROLL for (int v = 0; v < NV; ++v) b[v] = load_vector<T>(B + k * ldb + v * W);
     ATTNPP_UNROLL for (int i = 0; i < MR; ++i) {
