@@ -120,13 +120,28 @@ void apply_dropout(RowMat<C>& p_blk, const AttnConfig<T>& cfg, const RowBlock& b
   }
 }
 
-// The largest of row[0, n), NaN when one of them is NaN (so that the row comes out NaN, as in PyTorch): Eigen's
-// vectorized max, which may pass over a NaN, then a scan for NaN when that max is -inf. Only there does a NaN
+// The largest of row[0, n), NaN when one of them is NaN (so that the row comes out NaN, as in PyTorch): a
+// vectorized max over two chains of packets (Eigen's maxCoeff reduced its packets through the stack: 2% of the
+// forward at AVX-512), which may pass over a NaN, then a scan for NaN when that max is -inf. Only there does a NaN
 // passed over matter: beside a finite max, the NaN makes the row's sum of exponentials NaN all the same.
 template <typename T>
 T row_max(const T* row, int64_t n) {
+  namespace ei = Eigen::internal;
+  using P = typename ei::packet_traits<T>::type;
+  constexpr int64_t W = ei::unpacket_traits<P>::size;
+  P m0 = ei::pset1<P>(neg_inf<T>()), m1 = m0;
+  int64_t c = 0;
+  for (; c + 2 * W <= n; c += 2 * W) {
+    m0 = ei::pmax(m0, ei::ploadu<P>(row + c));
+    m1 = ei::pmax(m1, ei::ploadu<P>(row + c + W));
+  }
+  if (c + W <= n) {
+    m0 = ei::pmax(m0, ei::ploadu<P>(row + c));
+    c += W;
+  }
+  T max = ei::predux_max(ei::pmax(m0, m1));
+  for (; c < n; ++c) max = std::max(max, row[c]);
   const auto x = Eigen::Map<const Eigen::Array<T, Eigen::Dynamic, 1>>(row, n);
-  const T max = n ? x.maxCoeff() : neg_inf<T>();
   return max == neg_inf<T>() && x.isNaN().any() ? std::numeric_limits<T>::quiet_NaN() : max;
 }
 
