@@ -244,12 +244,10 @@ struct PackedB {
     for (int64_t k = k0; k < k1; ++k)
       for (int64_t j = 0; j < N; j += kPanel) {
         T* dst = data.get() + j * K + k * width(j);
-        if constexpr (std::is_same_v<S, T>)
-          if (width(j) == kPanel) {
-            std::memcpy(dst, B + k * brs + j, sizeof(T) * kPanel);
-            continue;
-          }
-        load_n(dst, B + k * brs + j, width(j));
+        if (std::is_same_v<S, T> && width(j) == kPanel)
+          std::memcpy(dst, B + k * brs + j, sizeof(T) * kPanel);
+        else
+          load_n(dst, B + k * brs + j, width(j));
       }
   }
   // The panel of columns [j0, j0 + width(j0)) of B with bcs != 1.
