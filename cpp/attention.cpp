@@ -155,16 +155,21 @@ T exp_shifted_in_place(T* row, int64_t n, T shift) {
   using P = typename ei::packet_traits<T>::type;
   constexpr int64_t W = ei::unpacket_traits<P>::size;
   const P vshift = ei::pset1<P>(shift), vninf = ei::pset1<P>(neg_inf<T>()), zero = ei::pset1<P>(T(0));
-  const bool plain = exp_zero_at_neg_inf<P>() && std::isfinite(shift);
   P vsum = zero;
   int64_t c = 0;
-  for (; c + W <= n; c += W) {
-    const P x = ei::ploadu<P>(row + c);
-    const P e = plain ? exp_nonpositive(ei::psub(x, vshift))
-                      : ei::pselect(ei::pcmp_eq(x, vninf), zero, exp_nonpositive(ei::psub(x, vshift)));
-    ei::pstoreu(row + c, e);
-    vsum = ei::padd(vsum, e);
-  }
+  const auto walk = [&](auto plain) {  // (two loops: the test inside one took a slot of the exp's vector ports)
+    for (; c + W <= n; c += W) {
+      const P x = ei::ploadu<P>(row + c);
+      const P e = plain ? exp_nonpositive(ei::psub(x, vshift))
+                        : ei::pselect(ei::pcmp_eq(x, vninf), zero, exp_nonpositive(ei::psub(x, vshift)));
+      ei::pstoreu(row + c, e);
+      vsum = ei::padd(vsum, e);
+    }
+  };
+  if (exp_zero_at_neg_inf<P>() && std::isfinite(shift))
+    walk(std::true_type{});
+  else
+    walk(std::false_type{});
   T sum = ei::predux(vsum);
   for (; c < n; ++c) {
     row[c] = row[c] == neg_inf<T>() ? T(0) : std::exp(row[c] - shift);
