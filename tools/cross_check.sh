@@ -23,8 +23,8 @@
 #   KEEP=1          keep the temporary directory (binaries, build and run logs) even when everything passed
 #
 # Installs only what is missing: the Debian packages qemu-user, g++-aarch64-linux-gnu, clang and libomp-dev, and
-# cmeel-eigen (pip). Takes about 4 minutes on 2 cores, most of it compiling (7 builds of the kernels, ~60 s of one
-# core each).
+# cmeel-eigen (pip). Takes 4 to 8 minutes on 2 cores, most of it compiling (5 to 7 builds of the kernels, 1 to 2
+# minutes of one core each).
 # Exit status: 0 only if every part that ran passed (a level this CPU lacks is skipped with a note).
 set -euo pipefail
 start=$SECONDS
@@ -58,7 +58,7 @@ eigen_dir() {
 eigen=$(eigen_dir) || { "$PY" -m pip install -q cmeel-eigen && eigen=$(eigen_dir); } \
     || { echo "cross_check.sh: no Eigen (cmeel-eigen)" >&2; exit 2; }
 
-# ---- builds: all five at once in the background (each compiles its files one by one) ----------------------
+# ---- builds: all at once in the background (each compiles its files one by one) ---------------------------
 # The flags of CMakeLists.txt's kernels (ATTNPP_FLAGS, ATTNPP_DEFINITIONS) plus the level's -march. No dispatch.cpp:
 # the test defines thread_count() itself (dispatch.cpp's level table needs the default level linked in too).
 # buffer_pool.cpp: the packed operands of the products come from it.
@@ -76,13 +76,6 @@ build() {  # build NAME COMPILER FLAGS...: the binary $work/NAME, its compiler o
     "$cxx" "${flags[@]}" "$@" "${sources[@]}" -o "$work/$name" >"$work/$name.build.log" 2>&1 &
     pid[$name]=$!
 }
-echo "cross_check.sh: building the test 7 times (aarch64, x86-64 default/avx2/avx512/avx512_bf16, Clang, no OpenMP)" \
-     "in $work"
-build aarch64 aarch64-linux-gnu-g++ -fopenmp -DATTNPP_CPU_NS=cpu_default  # no -march: the aarch64 baseline has NEON
-build default g++ -fopenmp -march=x86-64 -DATTNPP_CPU_NS=cpu_default
-build avx2 g++ -fopenmp -march=x86-64-v3 -DATTNPP_CPU_NS=cpu_avx2
-build avx512 g++ -fopenmp -march=x86-64-v4 "${gcc_avx512[@]}" -DATTNPP_CPU_NS=cpu_avx512
-build avx512_bf16 g++ -fopenmp -march=x86-64-v4 -mavx512bf16 "${gcc_avx512[@]}" -DATTNPP_CPU_NS=cpu_avx512_bf16
 # Which levels this CPU runs: GCC's x86-64-v3/v4 tests, exactly those -march's features (as dispatch.cpp's test).
 g++ -x c++ - -o "$work/cpu_has" <<'EOF'
 #include <cstring>
@@ -93,17 +86,22 @@ int main(int, char** argv) {  // cpu_has avx2|avx512|avx512_bf16: exit 0 if this
   return !(__builtin_cpu_supports("x86-64-v4") && __builtin_cpu_supports("avx512bf16"));
 }
 EOF
-# d. the best level this CPU runs, by Clang with LLVM's OpenMP and by GCC without OpenMP
-best=default best_flags=(-march=x86-64)
-for level in avx2 avx512 avx512_bf16; do
-    "$work/cpu_has" "$level" || continue
-    best=$level
-    case $level in avx2) best_flags=(-march=x86-64-v3) ;; avx512) best_flags=(-march=x86-64-v4) ;;
-                   avx512_bf16) best_flags=(-march=x86-64-v4 -mavx512bf16) ;; esac
+# The levels this CPU runs: b. builds no other (step 1's build of the package compiles every level, with -Werror);
+# d. takes the best of them.
+declare -A march=([default]="-march=x86-64" [avx2]="-march=x86-64-v3" [avx512]="-march=x86-64-v4"
+                  [avx512_bf16]="-march=x86-64-v4 -mavx512bf16")
+runs=(default)
+for level in avx2 avx512 avx512_bf16; do "$work/cpu_has" "$level" && runs+=("$level"); done
+best=${runs[-1]}
+echo "cross_check.sh: building the test for aarch64, for x86-64 at ${runs[*]} (the levels this CPU runs), by Clang" \
+     "and without OpenMP, in $work"
+build aarch64 aarch64-linux-gnu-g++ -fopenmp -DATTNPP_CPU_NS=cpu_default  # no -march: the aarch64 baseline has NEON
+for level in "${runs[@]}"; do
+    build "$level" g++ -fopenmp ${march[$level]} "${gcc_avx512[@]}" -DATTNPP_CPU_NS=cpu_$level
 done
-build clang clang++ -fopenmp "${best_flags[@]}" -DATTNPP_CPU_NS=cpu_$best
-build no_openmp g++ "${best_flags[@]}" "${gcc_avx512[@]}" -DATTNPP_CPU_NS=cpu_$best
-for name in aarch64 default avx2 avx512 avx512_bf16 clang no_openmp; do
+build clang clang++ -fopenmp ${march[$best]} -DATTNPP_CPU_NS=cpu_$best
+build no_openmp g++ ${march[$best]} "${gcc_avx512[@]}" -DATTNPP_CPU_NS=cpu_$best
+for name in "${!pid[@]}"; do
     wait "${pid[$name]}" && echo "cross_check.sh: built $name ($((SECONDS - start))s)" \
         || { echo "cross_check.sh: build $name FAILED:"; grep -E "error|Error" "$work/$name.build.log" | head -20; }
 done
@@ -136,12 +134,10 @@ built aarch64 "$what" && run "$what" "$work/aarch64.log" qemu-aarch64 -L /usr/aa
 # b. each x86-64 level natively, if this CPU has it; the baseline under an emulated Nehalem too
 for level in default avx2 avx512 avx512_bf16; do
     what="b. x86-64 $level (native)"
-    built "$level" "$what" || continue
-    if [[ $level == default ]] || "$work/cpu_has" "$level"; then
-        run "$what" "$work/$level.log" "$work/$level"
-    else
-        record SKIP "$what" "this CPU lacks $level"; echo "cross_check.sh: ${results[-1]}"
+    if [[ " ${runs[*]} " != *" $level "* ]]; then
+        record SKIP "$what" "this CPU lacks $level"; echo "cross_check.sh: ${results[-1]}"; continue
     fi
+    built "$level" "$what" && run "$what" "$work/$level.log" "$work/$level"
 done
 what="b. x86-64 default (qemu-x86_64 -cpu Nehalem)"
 built default "$what" && run "$what" "$work/nehalem.log" qemu-x86_64 -cpu Nehalem "$work/default"

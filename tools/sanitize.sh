@@ -11,6 +11,8 @@
 #   CXX=g++           compiler; its own libasan is the runtime that gets preloaded
 #   BUILD_DIR=dir     build directory (kept, so reruns are incremental); default: a temporary one
 #   KEEP=1            keep the temporary directory (build, staged package, logs) even when the run is clean
+#   ATTNPP_CPU_LEVELS=  the CPU levels to build besides default, a ;-list (CMakeLists.txt's option of that name);
+#                     empty: all. Levels this CPU lacks only cost build time: pytest runs none of them.
 #   TIMEOUT_FACTOR=4  notebook cells get this many times the tests' own timeout (1800 s): see the plugin
 #   KEEP_GOING=1      recoverable sanitizers (-fsanitize-recover=all, halt_on_error=0): every report of the run
 #                     is collected instead of the first one aborting its process (and with it pytest)
@@ -83,7 +85,7 @@ if [[ -f $build/CMakeCache.txt ]] && \
     rm -rf "$build/CMakeCache.txt" "$build/CMakeFiles"
 fi
 cmake -S "$repo" -B "$build" -DCMAKE_BUILD_TYPE=RelWithDebInfo -DCMAKE_CXX_COMPILER="$CXX" \
-      -DPython_EXECUTABLE="$PY" -Dpybind11_DIR="$pybind11_dir" \
+      -DPython_EXECUTABLE="$PY" -Dpybind11_DIR="$pybind11_dir" -DATTNPP_CPU_LEVELS="${ATTNPP_CPU_LEVELS:-}" \
       -DCMAKE_CXX_FLAGS="$cxxflags" -DCMAKE_SHARED_LINKER_FLAGS="$sanflags" >"$logs/cmake.log" 2>&1 \
     || { cat "$logs/cmake.log"; verdict 2 "ERROR: cmake configure failed"; }
 cmake --build "$build" -j "$(nproc)" 2>&1 | tee "$logs/build.log" | grep -E "error:|Linking"
