@@ -67,32 +67,34 @@ void add_rows(const View4<T>& a, int64_t n, int64_t h, int64_t r0, const compute
 // -inf outside each row's visible keys; q_blk (R, D), kt = k_blk^T (D, >= cols) packed, or (`keys`, at most
 // kFewRows rows) k_blk's rows read where they lie, keys[c * keys_ld..]. With a soft cap and `dcap`, also
 // dcap (R, cols) = 1 - tanh^2, the cap's derivative. Returns false when every score is -inf.
-// kt_col0: the block's first column in kt (a multiple of the panel width).
+// kt_col0: the block's first column in kt (a multiple of the panel width). units: a factor on every score (the
+// forward's log2(e), for its exp2), taken into the products' scale.
 template <typename P, typename T>
 bool score_block(RowMat<compute_t<T>>& scores, RowMat<compute_t<T>>* dcap, typename P::Rows q_blk,
                  const typename P::Packed& kt, const RowBlock& b, int64_t cols, const AttnConfig<T>& cfg,
                  const Visible& vis, int64_t j0, int64_t kt_col0 = 0, const T* keys = nullptr,
-                 int64_t keys_ld = 0) {
+                 int64_t keys_ld = 0, compute_t<T> units = 1) {
   using C = compute_t<T>;
   const int64_t R = b.count();
   scores.resize(R, cols);
   if (keys)
-    P::product_in_place(scores.data(), cols, q_blk, keys, keys_ld, R, cols, cfg.D, cfg.scale);
+    P::product_in_place(scores.data(), cols, q_blk, keys, keys_ld, R, cols, cfg.D, cfg.scale * units);
   else
-    P::product(scores.data(), cols, q_blk, kt, R, cols, cfg.D, cfg.scale, Write::assign, 0, kt_col0);
+    P::product(scores.data(), cols, q_blk, kt, R, cols, cfg.D, cfg.scale * units, Write::assign, 0, kt_col0);
   if (cfg.softcap > 0) {  // s = softcap * tanh(s / softcap)
-    scores.array() = (scores.array() / cfg.softcap).tanh();
+    const C cap = cfg.softcap * units;
+    scores.array() = (scores.array() / cap).tanh();
     if (dcap) dcap->array() = C(1) - scores.array().square();
-    scores.array() *= cfg.softcap;
+    scores.array() *= cap;
   }
   bool any = false;
   for (int64_t r = 0; r < R; ++r) {
     const int64_t h = b.head(r), i = b.query(r);
     C* row = &scores(r, 0);
     for (const auto& m : cfg.masks)
-      for (int64_t c = 0; c < cols; ++c) row[c] += m.at(b.n, h, i, j0 + c);
+      for (int64_t c = 0; c < cols; ++c) row[c] += units * m.at(b.n, h, i, j0 + c);
     if (cfg.alibi) {  // -slope * |i + S - L - j|
-      const C slope = cfg.alibi[b.n * cfg.alibi_n + h];
+      const C slope = cfg.alibi[b.n * cfg.alibi_n + h] * units;
       const int64_t pos = i + vis.diag() - j0;
       for (int64_t c = 0; c < cols; ++c) row[c] -= slope * C(std::abs(pos - c));
     }
@@ -145,11 +147,11 @@ T row_max(const T* row, int64_t n) {
   return max == neg_inf<T>() && x.isNaN().any() ? std::numeric_limits<T>::quiet_NaN() : max;
 }
 
-// row = exp(row - shift), exactly 0 where row is -inf; returns the row's sum. One pass over Eigen's packets. Where
-// exp_nonpositive gives exactly 0 at -inf (exp_zero_at_neg_inf) and the shift is finite, -inf - shift is -inf and
-// needs nothing more; else (a NaN shift, Eigen's generic exp, whose -inf gives a subnormal) -inf is selected to 0.
-// The sum is in a fixed order: one partial sum per lane.
-template <typename T>
+// row = exp(row - shift) (Base2: 2^(row - shift), where shifter_exp), exactly 0 where row is -inf; returns the
+// row's sum. One pass over Eigen's packets. Where the exp gives exactly 0 at -inf (shifter_exp) and the shift is
+// finite, -inf - shift is -inf and needs nothing more; else (a NaN shift, Eigen's generic exp, whose -inf gives a
+// subnormal) -inf is selected to 0. The sum is in a fixed order: one partial sum per lane.
+template <bool Base2 = false, typename T>
 T exp_shifted_in_place(T* row, int64_t n, T shift) {
   namespace ei = Eigen::internal;
   using P = typename ei::packet_traits<T>::type;
@@ -157,22 +159,28 @@ T exp_shifted_in_place(T* row, int64_t n, T shift) {
   const P vshift = ei::pset1<P>(shift), vninf = ei::pset1<P>(neg_inf<T>()), zero = ei::pset1<P>(T(0));
   P vsum = zero;
   int64_t c = 0;
+  const auto exp = [](const P& x) {
+    if constexpr (Base2)
+      return exp2_nonpositive(x);
+    else
+      return exp_nonpositive(x);
+  };
   const auto walk = [&](auto plain) {  // (two loops: the test inside one took a slot of the exp's vector ports)
     for (; c + W <= n; c += W) {
       const P x = ei::ploadu<P>(row + c);
-      const P e = plain ? exp_nonpositive(ei::psub(x, vshift))
-                        : ei::pselect(ei::pcmp_eq(x, vninf), zero, exp_nonpositive(ei::psub(x, vshift)));
+      const P y = exp(ei::psub(x, vshift));
+      const P e = plain ? y : ei::pselect(ei::pcmp_eq(x, vninf), zero, y);
       ei::pstoreu(row + c, e);
       vsum = ei::padd(vsum, e);
     }
   };
-  if (exp_zero_at_neg_inf<P>() && std::isfinite(shift))
+  if (shifter_exp<P>() && std::isfinite(shift))
     walk(std::true_type{});
   else
     walk(std::false_type{});
   T sum = ei::predux(vsum);
   for (; c < n; ++c) {
-    row[c] = row[c] == neg_inf<T>() ? T(0) : std::exp(row[c] - shift);
+    row[c] = row[c] == neg_inf<T>() ? T(0) : Base2 ? std::exp2(row[c] - shift) : std::exp(row[c] - shift);
     sum += row[c];
   }
   return sum;
@@ -205,6 +213,10 @@ void forward(const View4<Q>& out, compute_t<T>* logsumexp, const View4<const Q>&
   // bl: rows per task; bs: keys per block (the causal diagonal takes edge blocks, below)
   const int64_t bl = kForwardRows, bs = key_block(cfg, true);
   const int64_t g = cfg.group();
+  // The online softmax in base 2 where exp2 is the shifter's (float on x86-64: exp2_nonpositive): the products
+  // scale the scores by log2(e) too, and the running max m is in those units until the rows' end.
+  constexpr bool base2 = shifter_exp<typename Eigen::internal::packet_traits<C>::type>();
+  const C units = base2 ? C(M_LOG2E) : C(1);
   // One task: a block of query rows of (n, key/value head) for some of the group's query heads. Short sequences:
   // the heads' rows stacked into one block of rows for the products (`stacked`: a decoding step's single rows need
   // it). Long ones: the whole group when that leaves 8 tasks a thread, each head's rows in turn against each key
@@ -299,7 +311,8 @@ void forward(const View4<Q>& out, compute_t<T>* logsumexp, const View4<const Q>&
                 const RowBlock sub = stacked ? b : RowBlock{n, b.h0 + hh, 1, i0 + r_first, r_rows};
                 const int64_t r0 = stacked ? 0 : hh * b.rows + r_first, br = sub.count();
                 if (!score_block<P>(s_blk, nullptr, offset(q_blk, r0), kt, sub, cols, cfg, vis, j0,
-                                    shared ? j0 - span0 : 0, keys_in_place ? k.at(n, hk, vis.k0 + j0) : nullptr, k.row))
+                                    shared ? j0 - span0 : 0, keys_in_place ? k.at(n, hk, vis.k0 + j0) : nullptr, k.row,
+                                    units))
                   continue;
                 // each row's new running max, and alpha = exp(m_old - m_new), which rescales what was summed under
                 // the old max (one vectorized exp for the block's rows)
@@ -310,13 +323,13 @@ void forward(const View4<Q>& out, compute_t<T>* logsumexp, const View4<const Q>&
                   m_new(r) = std::isnan(blk_max) || blk_max > m_old ? blk_max : m_old;
                   alpha(r) = m_new(r) == neg_inf<C>() ? C(0) : m_old - m_new(r);
                 }
-                exp_shifted_in_place(alpha.data(), br, C(0));
+                exp_shifted_in_place<base2>(alpha.data(), br, C(0));
                 for (int64_t r = 0; r < br; ++r) {
                   if (m_new(r) == neg_inf<C>()) {  // nothing visible yet in this row
                     s_blk.row(r).setZero();
                     continue;
                   }
-                  l(r0 + r) = l(r0 + r) * alpha(r) + exp_shifted_in_place(&s_blk(r, 0), cols, m_new(r));
+                  l(r0 + r) = l(r0 + r) * alpha(r) + exp_shifted_in_place<base2>(&s_blk(r, 0), cols, m_new(r));
                   acc.row(r0 + r) *= alpha(r);
                   m(r0 + r) = m_new(r);
                 }
@@ -334,6 +347,7 @@ void forward(const View4<Q>& out, compute_t<T>* logsumexp, const View4<const Q>&
               }
             }
           }
+          if (base2) m *= C(M_LN2);  // (back to natural units)
           for (int64_t r = 0; r < R; ++r) {
             const int64_t h = b.head(r), i = b.query(r);
             C& lse = logsumexp[cfg.lse_index(n, h, i)];
