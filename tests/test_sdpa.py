@@ -28,7 +28,7 @@ SHAPES = [  # q, k, v
     ((2, 3, 5, 8), (2, 3, 5, 8), (2, 3, 5, 8)),
     ((2, 3, 7, 8), (2, 3, 11, 8), (2, 3, 11, 4)),          # L != S, Dv != D
     ((1, 2, 130, 16), (1, 2, 300, 16), (1, 2, 300, 24)),    # several query and key blocks, partial last ones
-    ((1, 2, 600, 16), (1, 2, 530, 16), (1, 2, 530, 8)),     # three forward tasks of 256 queries, 3 key blocks
+    ((1, 2, 600, 16), (1, 2, 1100, 16), (1, 2, 1100, 8)),   # three forward tasks of 256 queries, 3 key blocks
     ((2, 1, 1, 4), (2, 1, 1, 4), (2, 1, 1, 4)),             # L = S = 1
     ((4, 6), (9, 6), (9, 5)),                               # unbatched (L, D)
     ((3, 5, 4), (3, 7, 4), (3, 7, 4)),                      # (H, L, D)
