@@ -45,6 +45,15 @@ int64_t key_block(const AttnConfig<T>& cfg, bool edge_blocks = false) {
   return edge_blocks && 512 * (cfg.D + cfg.Dv) <= kForwardPack ? 512 : 256;
 }
 
+// The softmax's base: 2 where exp2_nonpositive is (float on x86-64), as in FlashAttention-2: score_block scales the
+// scores by log2(e) with the softmax scale, so that a weight is 2^(s - m) (the forward's running max m) or
+// 2^(s - log2(e) lse) (the backward's, from the saved log-sum-exp, which stays natural), exp2 being the cheaper
+// (vector_exp.hpp). Elsewhere (double; NEON) base e.
+template <typename C>
+constexpr bool kBase2 = shifter_exp<typename Eigen::internal::packet_traits<C>::type>();
+template <typename C>
+constexpr C kScoreUnits = kBase2<C> ? C(M_LOG2E) : C(1);
+
 // A block of query rows of sequence n: heads [h0, h0 + heads) x queries [i0, i0 + rows), row r being head
 // h0 + r / rows, query i0 + r % rows. Several query heads of one key/value head share a block when the
 // sequences are short (GQA decoding: the group's rows read each key block once).
@@ -66,19 +75,19 @@ void add_rows(const View4<T>& a, int64_t n, int64_t h, int64_t r0, const compute
   }
 }
 
-// scores (R, cols) = the scores of the rows of `b` against keys [j0, j0 + cols) of sequence `vis`:
-// scale * q_blk k_blk^T (products P: attention_products.hpp), soft-capped, plus the masks and the ALiBi bias,
-// -inf outside each row's visible keys; q_blk (R, D), kt = k_blk^T (D, >= cols) packed, or (`keys`, at most
+// scores (R, cols) = the scores of the rows of `b` against keys [j0, j0 + cols) of sequence `vis`, in the
+// softmax's base (kScoreUnits: times log2(e) in base 2): scale * q_blk k_blk^T (products P:
+// attention_products.hpp), soft-capped, plus the masks and the ALiBi bias, -inf outside each row's visible keys; q_blk (R, D), kt = k_blk^T (D, >= cols) packed, or (`keys`, at most
 // kFewRows rows) k_blk's rows read where they lie, keys[c * keys_ld..]. With a soft cap and `dcap`, also
 // dcap (R, cols) = 1 - tanh^2, the cap's derivative. Returns false when every score is -inf.
-// kt_col0: the block's first column in kt (a multiple of the panel width). units: a factor on every score (the
-// forward's log2(e), for its exp2), taken into the products' scale.
+// kt_col0: the block's first column in kt (a multiple of the panel width).
 template <typename P, typename T>
 bool score_block(RowMat<compute_t<T>>& scores, RowMat<compute_t<T>>* dcap, typename P::Rows q_blk,
                  const typename P::Packed& kt, const RowBlock& b, int64_t cols, const AttnConfig<T>& cfg,
                  const Visible& vis, int64_t j0, int64_t kt_col0 = 0, const T* keys = nullptr,
-                 int64_t keys_ld = 0, compute_t<T> units = 1) {
+                 int64_t keys_ld = 0) {
   using C = compute_t<T>;
+  constexpr C units = kScoreUnits<C>;
   const int64_t R = b.count();
   scores.resize(R, cols);
   if (keys)
@@ -190,14 +199,15 @@ T exp_shifted_in_place(T* row, int64_t n, T shift) {
   return sum;
 }
 
-// p_blk = exp(scores - logsumexp) row by row; rows with logsumexp = -inf (fully masked) are 0.
+// p_blk = exp(scores - logsumexp) row by row, the scores in the softmax's base (kBase2: 2^(scores - log2(e) lse));
+// rows with logsumexp = -inf (fully masked) are 0.
 template <typename T>
 void probs_from_lse(RowMat<T>& p_blk, const T* lse) {
   for (int64_t r = 0; r < p_blk.rows(); ++r) {
     if (lse[r] == neg_inf<T>())
       p_blk.row(r).setZero();
     else
-      exp_shifted_in_place(&p_blk(r, 0), p_blk.cols(), lse[r]);
+      exp_shifted_in_place<kBase2<T>>(&p_blk(r, 0), p_blk.cols(), lse[r] * kScoreUnits<T>);
   }
 }
 
@@ -217,10 +227,7 @@ void forward(const View4<Q>& out, compute_t<T>* logsumexp, const View4<const Q>&
   // bl: rows per task; bs: keys per block (the causal diagonal takes edge blocks, below)
   const int64_t bl = kForwardRows, bs = key_block(cfg, true);
   const int64_t g = cfg.group();
-  // The online softmax in base 2 where exp2 is the shifter's (float on x86-64: exp2_nonpositive): the products
-  // scale the scores by log2(e) too, and the running max m is in those units until the rows' end.
-  constexpr bool base2 = shifter_exp<typename Eigen::internal::packet_traits<C>::type>();
-  const C units = base2 ? C(M_LOG2E) : C(1);
+  constexpr bool base2 = kBase2<C>;  // (the running max m in the scores' units until the rows' end)
   // One task: a block of query rows of (n, key/value head) for some of the group's query heads. Short sequences:
   // the heads' rows stacked into one block of rows for the products (`stacked`: a decoding step's single rows need
   // it). Long ones: the whole group when that leaves 8 tasks a thread, each head's rows in turn against each key
@@ -315,8 +322,7 @@ void forward(const View4<Q>& out, compute_t<T>* logsumexp, const View4<const Q>&
                 const RowBlock sub = stacked ? b : RowBlock{n, b.h0 + hh, 1, i0 + r_first, r_rows};
                 const int64_t r0 = stacked ? 0 : hh * b.rows + r_first, br = sub.count();
                 if (!score_block<P>(s_blk, nullptr, offset(q_blk, r0), kt, sub, cols, cfg, vis, j0,
-                                    shared ? j0 - span0 : 0, keys_in_place ? k.at(n, hk, vis.k0 + j0) : nullptr, k.row,
-                                    units))
+                                    shared ? j0 - span0 : 0, keys_in_place ? k.at(n, hk, vis.k0 + j0) : nullptr, k.row))
                   continue;
                 // each row's new running max, and alpha = exp(m_old - m_new), which rescales what was summed under
                 // the old max (one vectorized exp for the block's rows)
