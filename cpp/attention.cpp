@@ -79,9 +79,10 @@ void add_rows(const View4<T>& a, int64_t n, int64_t h, int64_t r0, const compute
 
 // scores (R, cols) = the scores of the rows of `b` against keys [j0, j0 + cols) of sequence `vis`, in the
 // softmax's base (kScoreUnits: times log2(e) in base 2): scale * q_blk k_blk^T (products P:
-// attention_products.hpp), soft-capped, plus the masks and the ALiBi bias, -inf outside each row's visible keys; q_blk (R, D), kt = k_blk^T (D, >= cols) packed, or (`keys`, at most
-// kFewRows rows) k_blk's rows read where they lie, keys[c * keys_ld..]. With a soft cap and `dcap`, also
-// dcap (R, cols) = 1 - tanh^2, the cap's derivative. Returns false when every score is -inf.
+// attention_products.hpp), soft-capped, plus the masks and the ALiBi bias, -inf outside each row's visible keys;
+// q_blk (R, D), kt = k_blk^T (D, >= cols) packed, or (`keys`, at most kFewRows rows) k_blk's rows read where they
+// lie, keys[c * keys_ld..]. With a soft cap and `dcap`, also dcap (R, cols) = 1 - tanh^2, the cap's derivative.
+// Returns false when every score is -inf.
 // kt_col0: the block's first column in kt (a multiple of the panel width).
 template <typename P, typename T>
 bool score_block(RowMat<compute_t<T>>& scores, RowMat<compute_t<T>>* dcap, typename P::Rows q_blk,

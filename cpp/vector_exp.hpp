@@ -56,7 +56,7 @@ P exp_nonpositive(const P& x) {
 }
 
 // 2^x on Eigen's packets, for x <= 0 (a score in base-2 units minus its row's max; -inf gives 0) or NaN: the
-// forward's softmax, whose scores the product scales by log2(e) for nothing (FlashAttention-2's exp2). float on
+// attention's softmax, whose scores the product scales by log2(e) for nothing (FlashAttention-2's exp2). float on
 // x86-64: k = round(x) by the shifter in an add, r = x - k exact (Sterbenz: |r| <= 1/2), 2^r by a degree-6 minimax
 // polynomial (relative error 2e-9 on [-1/2, 1/2]), times 2^k built from the shifter's bits; x clamped at -127,
 // whose 2^k is built as 0 (x < -126.5 gives 0). 12 instructions against exp_nonpositive's 14, 7 of them
