@@ -175,7 +175,7 @@ T exp_shifted_in_place(T* row, int64_t n, T shift) {
   const P vshift = ei::pset1<P>(shift), vninf = ei::pset1<P>(neg_inf<T>()), zero = ei::pset1<P>(T(0));
   P vsum = zero;
   int64_t c = 0;
-  const auto exp = [](const P& x) {
+  const auto exp_packet = [](const P& x) {
     if constexpr (Base2)
       return exp2_nonpositive(x);
     else
@@ -184,7 +184,7 @@ T exp_shifted_in_place(T* row, int64_t n, T shift) {
   const auto walk = [&](auto plain) {  // (two loops: the test inside one took a slot of the exp's vector ports)
     for (; c + W <= n; c += W) {
       const P x = ei::ploadu<P>(row + c);
-      const P y = exp(ei::psub(x, vshift));
+      const P y = exp_packet(ei::psub(x, vshift));
       const P e = plain ? y : ei::pselect(ei::pcmp_eq(x, vninf), zero, y);
       ei::pstoreu(row + c, e);
       vsum = ei::padd(vsum, e);

@@ -82,5 +82,4 @@ P exp2_nonpositive(const P& x) {
   return ei::pmul(y, ei::preinterpret<P>(ei::plogical_shift_left<23>(ei::preinterpret<PI>(t))));
 }
 
-
 }  // namespace attnpp::ATTNPP_CPU_NS

@@ -96,13 +96,17 @@ best=${runs[-1]}
 echo "cross_check.sh: building the test for aarch64, for x86-64 at ${runs[*]} (the levels this CPU runs), by Clang" \
      "and without OpenMP, in $work"
 build aarch64 aarch64-linux-gnu-g++ -fopenmp -DATTNPP_CPU_NS=cpu_default  # no -march: the aarch64 baseline has NEON
+gcc_level() {  # gcc_flags = GCC's flags for level $1: its -march, GCC 12's silencers where AVX-512 intrinsics need them
+    gcc_flags=(${march[$1]})
+    if [[ $1 == avx512* ]]; then gcc_flags+=("${gcc_avx512[@]}"); fi
+}
 for level in "${runs[@]}"; do
-    quiet=()  # (GCC 12's silencers only where its AVX-512 intrinsics need them)
-    [[ $level == avx512* ]] && quiet=("${gcc_avx512[@]}")
-    build "$level" g++ -fopenmp ${march[$level]} "${quiet[@]}" -DATTNPP_CPU_NS=cpu_$level
+    gcc_level "$level"
+    build "$level" g++ -fopenmp "${gcc_flags[@]}" -DATTNPP_CPU_NS=cpu_$level
 done
 build clang clang++ -fopenmp ${march[$best]} -DATTNPP_CPU_NS=cpu_$best
-build no_openmp g++ ${march[$best]} "${gcc_avx512[@]}" -DATTNPP_CPU_NS=cpu_$best
+gcc_level "$best"
+build no_openmp g++ "${gcc_flags[@]}" -DATTNPP_CPU_NS=cpu_$best
 for name in "${!pid[@]}"; do
     wait "${pid[$name]}" && echo "cross_check.sh: built $name ($((SECONDS - start))s)" \
         || { echo "cross_check.sh: build $name FAILED:"; grep -E "error|Error" "$work/$name.build.log" | head -20; }
