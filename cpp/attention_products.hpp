@@ -84,7 +84,10 @@ struct BlockProducts {
   static void pack(Packed& b, const View4<const T>& a, int64_t n, int64_t h, int64_t r0, int64_t rows, int64_t cols,
                    bool transposed) {
     if (!transposed) {
-      b.pack(a.at(n, h, r0), a.row, 1, rows, cols);
+      if constexpr (std::is_same_v<T, C>)  // (an input's rows, alive and unchanged through the call)
+        b.pack_or_refer(a.at(n, h, r0), a.row, rows, cols);
+      else
+        b.pack(a.at(n, h, r0), a.row, 1, rows, cols);
     } else {
       thread_local Buffer converted;
       const Rows x = BlockProducts::rows(converted, a, n, h, r0, rows, cols);

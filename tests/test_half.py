@@ -169,6 +169,10 @@ CASES = {
     "plain": dict(shapes=plain(130, 300, B=1, Dv=24)),
     "plain_D=Dv": dict(shapes=plain(130, 300, B=1, Dv=16)),
     "unbatched": dict(shapes=((9, 16), (13, 16), (13, 5))),
+    # the backward's last key block of one key at D = 1: its transposed keys are one element, as wide as their
+    # converted rows (a packed copy taken in place there read the conversion buffer after the values refilled it:
+    # found by tools/fuzz.py)
+    "one_key_block_D=1": dict(shapes=plain(3, 257, B=1, Hq=1, Hk=1, D=1, Dv=3)),
     "scale": dict(shapes=plain(9, 13), kw=dict(scale=0.77)),
     "causal_top_left_L<S": dict(shapes=plain(70, 150), kw=dict(is_causal=True)),
     "causal_top_left_L>S": dict(shapes=plain(150, 70), kw=dict(is_causal=True)),
