@@ -86,7 +86,8 @@ and weights:
   timed in the same run on the same threads, and the same product in bfloat16 through ``torch.mm``. Each case with
   a flop count shows attnpp's GFLOP/s (FlashAttention's count: case.attention_flops) and their share of the GEMM
   rate in the arithmetic attnpp computes it in (``% of GEMM``: the bfloat16 product for bfloat16 at avx512_bf16,
-  the sgemm otherwise, NumPy's where ``--capability`` forced a level and PyTorch's otherwise;
+  the sgemm otherwise: the faster of PyTorch's and NumPy's, NumPy's measured at the OpenBLAS core type of
+  attnpp's level whatever the environment sets, and NumPy's alone where ``--capability`` forced a level;
   report.gemm_products); a
   line gives the best and median share of the forward cases (``sdpa fwd`` and ``causal-length fwd``; issue 37's
   target: at least 85%), another the bfloat16 ones.
@@ -149,7 +150,8 @@ from .causal_length import causal_length_cases
 from .cli import main, parse_args
 from .config import SIZES, capability_env
 from .decode_length import decode_length_cases, decode_problem, plain_decode_calls
-from .measure import measure, peak_growth_mib, sgemm_gflops
+from .machine import numpy_level_core, numpy_openblas
+from .measure import measure, numpy_sgemm, numpy_sgemm_gflops, peak_growth_mib, sgemm_gflops
 from .peers import ENGINES, Peers, Problem, check_error, reference_rows
 from .registry import FAMILIES, make_cases
 from .report import (bfloat16_gemm_line, gemm_products, gemm_rate, gemm_share, peer_rows, print_report, row,
@@ -162,7 +164,8 @@ __all__ = ["Case", "ENGINES", "FAMILIES", "HelloWorldModel", "PeerResult", "Peer
            "capability_env", "causal_length_cases", "check_error", "compile_first_call", "decode_length_cases",
            "decode_problem", "decode_steps", "flex_summary", "fmt_shape", "fmt_time", "gemm_products", "gemm_rate",
            "gemm_share", "kernel_calls", "kernel_flops", "kernel_problem", "layer_calls", "main", "make_cases",
-           "measure", "mha_calls", "parse_args", "peak_growth_mib", "peer_rows", "plain_decode_calls", "print_report",
+           "measure", "mha_calls", "numpy_level_core", "numpy_openblas", "numpy_sgemm", "numpy_sgemm_gflops",
+           "parse_args", "peak_growth_mib", "peer_rows", "plain_decode_calls", "print_report",
            "random_inputs", "reference_rows", "row", "sdpa_sides", "sgemm_gflops", "sgemm_line", "sliding_window",
            "target_line", "training_calls", "variant_cases", "varlen_lengths", "varlen_sides", "window_calls",
            "window_pairs", "window_sides"]

@@ -2,6 +2,7 @@
 the versions, the memory available, and the share of the CPUs' time that other processes took meanwhile."""
 from __future__ import annotations
 
+import functools
 import os
 import platform
 import time
@@ -11,7 +12,7 @@ import torch
 
 import attnpp
 
-from .config import CAPABILITY_VARS
+from .config import CAPABILITY_VARS, OPENBLAS_LEVEL_CORE
 
 
 def _cpuinfo(field):
@@ -35,6 +36,23 @@ def simd_flags():
     """The CPU's vector instruction-set flags (SSE, AVX, AVX-512, FMA, AMX and kin), sorted; [] if unknown."""
     flags = (_cpuinfo("flags") or "").split()
     return sorted(f for f in flags if f.startswith(("sse", "ssse", "avx", "fma", "amx", "f16c", "bmi")))
+
+
+@functools.cache  # (NumPy's build does not change; gemm_products asks once per table row)
+def numpy_openblas():
+    """Whether NumPy's BLAS is OpenBLAS (NumPy's wheels), which takes OPENBLAS_CORETYPE."""
+    try:
+        return "openblas" in np.__config__.CONFIG["Build Dependencies"]["blas"]["name"].lower()
+    except (AttributeError, KeyError, TypeError):  # (a NumPy before 1.26 has no CONFIG)
+        return False
+
+
+def numpy_level_core():
+    """The OpenBLAS core type of attnpp's CPU level (config.OPENBLAS_LEVEL_CORE), at which NumPy's sgemm is
+    measured; None where NumPy's BLAS is not OpenBLAS or the machine not x86-64 (OpenBLAS picks its own there)."""
+    if not numpy_openblas() or platform.machine().lower() not in ("x86_64", "amd64"):
+        return None
+    return OPENBLAS_LEVEL_CORE.get(attnpp.cpu_capability())
 
 
 def available_memory():

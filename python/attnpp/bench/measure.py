@@ -6,6 +6,9 @@ import contextlib
 import ctypes
 import gc
 import math
+import os
+import subprocess
+import sys
 import time
 
 import numpy as np
@@ -15,6 +18,7 @@ import attnpp
 
 from .case import Result
 from .config import SGEMM_SAMPLES
+from .machine import numpy_level_core
 
 
 def _status_kib(field):
@@ -103,39 +107,88 @@ def measure(case, repeats, min_sample, peers=None):
                   {title: peer_results[title] for title in order if title in peer_results})
 
 
-def sgemm_gflops(n, min_sample, samples=SGEMM_SAMPLES, bfloat16=True):
-    """GFLOP/s of a float32 (n, n) @ (n, n) product through ``torch.mm`` and ``np.matmul``, and (``bfloat16``) of a
-    bfloat16 one through ``torch.mm`` (2 n^3 flops each): ({"PyTorch": rate, "NumPy": rate, "PyTorch bfloat16":
-    rate}, how NumPy's threads were set, as a phrase for the report). The bfloat16 product is only the limit at the
-    avx512_bf16 level (report.gemm_products); oneDNN capped below it took 46 s a product at 2048 on the 2-core EPYC.
+def numpy_sgemm(n, min_sample, samples=SGEMM_SAMPLES):
+    """GFLOP/s of a float32 (n, n) @ (n, n) ``np.matmul`` in this process: the median of ``samples`` samples (a
+    batch lasting at least ``min_sample`` each) after a warm-up, the output allocated once. ValueError when its
+    first rows are off the float64 product by more than 1e-4 of its largest element (an OpenBLAS core type that
+    this CPU runs wrongly)."""
+    rng = np.random.default_rng(0)
+    a, b = (rng.standard_normal((n, n), dtype=np.float32) for _ in range(2))
+    c = np.empty((n, n), np.float32)
+    call = lambda: np.matmul(a, b, out=c)
+    calls = calibrate(call, min_sample, sample(call, 1))  # the first call: the warm-up
+    rate = 2.0 * n ** 3 / np.median([sample(call, calls) for _ in range(samples)]) / 1e9
+    ref = a[:64].astype(np.float64) @ b.astype(np.float64)
+    error = float(np.abs(c[:64] - ref).max() / max(1.0, np.abs(ref).max()))
+    if error > 1e-4:
+        raise ValueError(f"np.matmul is off the float64 product by {error:.1e} (> 1e-4)")
+    return rate
 
-    The ceiling the attention forward is held against, so it is measured in the same run, on the same threads:
-    PyTorch's as the run set them; NumPy's BLAS limited to them through threadpoolctl if it is installed (it is not
-    a dependency), else on its own default. Each side warms up, then gives the median of ``samples`` samples (a
-    batch lasting at least ``min_sample`` each) in a block of its own, PyTorch first: not alternately as the cases,
+
+_NUMPY_CHILD = ("import sys; from attnpp.bench.measure import numpy_sgemm; "
+                "print(numpy_sgemm(int(sys.argv[1]), float(sys.argv[2]), int(sys.argv[3])))")
+
+
+def numpy_sgemm_gflops(n, min_sample, threads, samples=SGEMM_SAMPLES):
+    """NumPy's sgemm rate (numpy_sgemm) at attnpp's CPU level, on ``threads`` threads, and how it ran, as a phrase
+    for the report: (rate, phrase).
+
+    NumPy's OpenBLAS takes its core type from ``OPENBLAS_CORETYPE`` at import. Where this process's is not that of
+    attnpp's level (config.OPENBLAS_LEVEL_CORE; x86-64 only), the product runs in a child process with the level's
+    core type, ``OPENBLAS_L2_SIZE`` unset (set beside it on the same hosts) and ``OPENBLAS_NUM_THREADS`` =
+    ``threads``; a child that fails (its product checked against float64 too) leaves the product to this process,
+    and the phrase says why. In this process NumPy's BLAS is limited to ``threads`` through threadpoolctl if it is
+    installed (it is not a dependency), else it runs on its own default.
+    """
+    core = numpy_level_core()
+    fallback = ""
+    if core is not None and os.environ.get("OPENBLAS_CORETYPE") != core:
+        env = {var: value for var, value in os.environ.items() if var != "OPENBLAS_L2_SIZE"}
+        env.update(OPENBLAS_CORETYPE=core, OPENBLAS_NUM_THREADS=str(threads))
+        child = subprocess.run([sys.executable, "-c", _NUMPY_CHILD, str(n), repr(min_sample), str(samples)],
+                               env=env, capture_output=True, text=True)
+        if child.returncode == 0:
+            return (float(child.stdout.split()[-1]),
+                    f"NumPy's BLAS on {threads} threads at OPENBLAS_CORETYPE={core}, in a child process")
+        why = (child.stderr.strip().splitlines() or [f"exit status {child.returncode}"])[-1]
+        fallback = f"; at OPENBLAS_CORETYPE={core} in a child process it failed: {why}"
+    try:
+        from threadpoolctl import threadpool_limits
+        limit, phrase = threadpool_limits(threads, user_api="blas"), f"NumPy's BLAS on {threads} threads"
+    except ImportError:
+        limit = contextlib.nullcontext()
+        phrase = "NumPy's BLAS on its default threads: threadpoolctl is not installed"
+    if "OPENBLAS_CORETYPE" in os.environ:
+        phrase += f" at OPENBLAS_CORETYPE={os.environ['OPENBLAS_CORETYPE']}"
+    with limit:
+        return numpy_sgemm(n, min_sample, samples), phrase + fallback
+
+
+def sgemm_gflops(n, min_sample, samples=SGEMM_SAMPLES, bfloat16=True):
+    """GFLOP/s of a float32 (n, n) @ (n, n) product through ``torch.mm`` and ``np.matmul`` (numpy_sgemm_gflops: at
+    attnpp's level), and (``bfloat16``) of a bfloat16 one through ``torch.mm`` (2 n^3 flops each): ({"PyTorch": rate,
+    "NumPy": rate, "PyTorch bfloat16": rate}, how NumPy's product ran, as a phrase for the report). The bfloat16
+    product is only the limit at the avx512_bf16 level (report.gemm_products); oneDNN capped below it took 46 s a
+    product at 2048 on the 2-core EPYC.
+
+    The ceiling the attention forward is held against, so it is measured in the same run, on the same threads
+    (PyTorch's as the run set them). Each side warms up, then gives the median of ``samples`` samples (a batch
+    lasting at least ``min_sample`` each) in a block of its own, PyTorch first: not alternately as the cases,
     because OpenBLAS's threads keep spinning for a while after NumPy's product and took the cores from the next
     ``torch.mm`` (on the 2-core EPYC, PyTorch's rate fell from about 175 to 115 GFLOP/s when alternated; NumPy's
     barely moved). The outputs are allocated once, so that the samples time the product, not the page faults of a
     fresh 16 MiB array.
     """
     rng = np.random.default_rng(0)
-    a, b = (rng.standard_normal((n, n), dtype=np.float32) for _ in range(2))
-    c, tc = np.empty((n, n), np.float32), torch.empty(n, n, dtype=torch.float32)
-    ta, tb = torch.from_numpy(a), torch.from_numpy(b)
-    ta16, tb16, tc16 = (t.to(torch.bfloat16) for t in (ta, tb, tc))
-    sides = {"PyTorch": lambda: torch.mm(ta, tb, out=tc), "NumPy": lambda: np.matmul(a, b, out=c)}
+    ta, tb = (torch.from_numpy(rng.standard_normal((n, n), dtype=np.float32)) for _ in range(2))
+    tc = torch.empty(n, n, dtype=torch.float32)
+    sides = {"PyTorch": lambda: torch.mm(ta, tb, out=tc)}
     if bfloat16:
+        ta16, tb16, tc16 = (t.to(torch.bfloat16) for t in (ta, tb, tc))
         sides["PyTorch bfloat16"] = lambda: torch.mm(ta16, tb16, out=tc16)
-    threads = torch.get_num_threads()
-    try:
-        from threadpoolctl import threadpool_limits
-        limit, numpy_threads = threadpool_limits(threads, user_api="blas"), f"NumPy's BLAS on {threads} threads"
-    except ImportError:
-        limit = contextlib.nullcontext()
-        numpy_threads = "NumPy's BLAS on its default threads: threadpoolctl is not installed"
     rates = {}
-    with limit:
-        for name, call in sides.items():
-            calls = calibrate(call, min_sample, sample(call, 1))  # the first call: the warm-up
-            rates[name] = 2.0 * n ** 3 / np.median([sample(call, calls) for _ in range(samples)]) / 1e9
+    for name, call in sides.items():
+        calls = calibrate(call, min_sample, sample(call, 1))  # the first call: the warm-up
+        rates[name] = 2.0 * n ** 3 / np.median([sample(call, calls) for _ in range(samples)]) / 1e9
+    rates["NumPy"], numpy_threads = numpy_sgemm_gflops(n, min_sample, torch.get_num_threads(), samples)
     return rates, numpy_threads

@@ -2,7 +2,6 @@
 targets and the GEMM lines."""
 from __future__ import annotations
 
-import functools
 import os
 
 import numpy as np
@@ -11,7 +10,7 @@ import torch
 import attnpp
 
 from .case import Result, Skipped, fmt_time
-from .machine import cpu_model
+from .machine import cpu_model, numpy_openblas
 from .config import CAPABILITY_VARS, MEMORY_PAIRS, SGEMM_SAMPLES, SGEMM_TARGET
 
 
@@ -20,35 +19,33 @@ def attnpp_gflops(result):
     return None if result.case.flops is None else result.case.flops / np.median(result.times[0]) / 1e9
 
 
-@functools.cache  # (NumPy's build does not change; gemm_products asks once per table row)
-def numpy_openblas():
-    """Whether NumPy's BLAS is OpenBLAS (NumPy's wheels), which takes OPENBLAS_CORETYPE."""
-    try:
-        return "openblas" in np.__config__.CONFIG["Build Dependencies"]["blas"]["name"].lower()
-    except (AttributeError, KeyError, TypeError):  # (a NumPy before 1.26 has no CONFIG)
-        return False
-
-
-def gemm_products(level=None, forced=None):
+def gemm_products(level=None, forced=None, rates=None):
     """The products of sgemm_gflops whose rates are the limits, by the case's dtype: {"float32": name, "bfloat16":
     name}, names of its rates.
 
-    float32 (and float16, which attnpp computes in float32): PyTorch's sgemm, but NumPy's where ``--capability``
-    forced a level (OPENBLAS_CORETYPE set) and NumPy's BLAS is OpenBLAS, which takes the level on any CPU while MKL
-    keeps its own on a non-Intel one (config.py). bfloat16: PyTorch's bfloat16 product at attnpp's avx512_bf16
-    level, where attnpp multiplies bfloat16 pairs; below it attnpp computes bfloat16 in float32: the float32 product.
-    ``level`` (attnpp's) and ``forced`` default to this process's.
+    float32 (and float16, which attnpp computes in float32): the faster of PyTorch's and NumPy's sgemm in ``rates``
+    (NumPy's is measured at attnpp's level: measure.numpy_sgemm_gflops), PyTorch's without ``rates``; but NumPy's
+    alone where a level is forced (``ATTNPP_CPU_CAPABILITY`` set, as ``--capability`` does) and NumPy's BLAS is
+    OpenBLAS, which takes the level on any CPU while MKL keeps its own on a non-Intel one (config.py). bfloat16:
+    PyTorch's bfloat16 product at attnpp's avx512_bf16 level, where attnpp multiplies bfloat16 pairs; below it
+    attnpp computes bfloat16 in float32: the float32 product. ``level`` (attnpp's) and ``forced`` default to this
+    process's.
     """
     level = attnpp.cpu_capability() if level is None else level
-    forced = "OPENBLAS_CORETYPE" in os.environ and numpy_openblas() if forced is None else forced
-    sgemm = "NumPy" if forced else "PyTorch"
+    forced = "ATTNPP_CPU_CAPABILITY" in os.environ if forced is None else forced
+    if forced and numpy_openblas():
+        sgemm = "NumPy"
+    elif rates is not None and not forced:
+        sgemm = max(("PyTorch", "NumPy"), key=lambda name: rates[name])
+    else:
+        sgemm = "PyTorch"
     return {"float32": sgemm, "bfloat16": "PyTorch bfloat16" if level == "avx512_bf16" else sgemm}
 
 
 def gemm_rate(dtype, rates, products=None):
     """The same run's GEMM rate a case of ``dtype`` is held against (``rates``: sgemm_gflops'; ``products``:
     gemm_products')."""
-    products = gemm_products() if products is None else products
+    products = gemm_products(rates=rates) if products is None else products
     return rates[products["bfloat16" if dtype == "bfloat16" else "float32"]]
 
 
@@ -138,13 +135,10 @@ def sgemm_line(results, n, rates, numpy_threads):
     if not forward:
         return line + "attnpp sdpa fwd: no such case in this run (see --cases)"
     best, median = max(forward), float(np.median(forward))
-    limit = gemm_products()["float32"]
+    limit = gemm_products(rates=rates)["float32"]
     share = lambda gflops: f"{gflops / rates[limit]:.0%}"
     line += (f"attnpp sdpa fwd over {len(forward)} cases: best {best:.1f} GFLOP/s = {share(best)} of {limit}'s "
              f"sgemm, median {median:.1f} GFLOP/s = {share(median)} (issue 37's target: >= {SGEMM_TARGET:.0%})")
-    if limit == "NumPy":
-        line += (f"; NumPy's: OpenBLAS at OPENBLAS_CORETYPE={os.environ['OPENBLAS_CORETYPE']}, the level's (MKL "
-                 "takes MKL_ENABLE_INSTRUCTIONS on Intel CPUs only)")
     return line
 
 
@@ -152,7 +146,7 @@ def bfloat16_gemm_line(results, n, rates):
     """The bfloat16 GEMM rate through torch.mm beside attnpp's bfloat16 attention forward (best and median of the
     run's ``sdpa fwd ... bfloat16`` cases) and its share of the limit (gemm_products: the float32 product below
     avx512_bf16)."""
-    limit = gemm_products()["bfloat16"]
+    limit = gemm_products(rates=rates)["bfloat16"]
     if limit == "PyTorch bfloat16":
         line, of = f"bfloat16 GEMM {n}x{n} @ {n}x{n} through torch.mm: {rates[limit]:.1f} GFLOP/s | ", "it"
     else:

@@ -90,7 +90,7 @@ def write(path, results, *, argv, quick, repeats, min_sample, load, sgemm, note=
             "run": {"quick": quick, "repeats": repeats, "min_sample_s": min_sample},
             "cases": [case_record(r, rates) for r in results],
             "sgemm": {"n": n, "gflops": {k: float(v) for k, v in rates.items()}, "numpy_threads": numpy_threads,
-                      "limits": gemm_products()},
+                      "limits": gemm_products(rates=rates)},
             "peers": None if peers is None else {"versions": peers.versions, "missing": peers.missing}}
     with open(path, "w") as f:
         json.dump(data, f, indent=1, ensure_ascii=False)
