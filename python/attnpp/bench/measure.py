@@ -152,14 +152,13 @@ def numpy_sgemm_gflops(n, min_sample, threads, samples=SGEMM_SAMPLES):
                     f"NumPy's BLAS on {threads} threads at OPENBLAS_CORETYPE={core}, in a child process")
         why = (child.stderr.strip().splitlines() or [f"exit status {child.returncode}"])[-1]
         fallback = f"; at OPENBLAS_CORETYPE={core} in a child process it failed: {why}"
+    at = f" at OPENBLAS_CORETYPE={os.environ['OPENBLAS_CORETYPE']}" if "OPENBLAS_CORETYPE" in os.environ else ""
     try:
         from threadpoolctl import threadpool_limits
-        limit, phrase = threadpool_limits(threads, user_api="blas"), f"NumPy's BLAS on {threads} threads"
+        limit, phrase = threadpool_limits(threads, user_api="blas"), f"NumPy's BLAS on {threads} threads{at}"
     except ImportError:
         limit = contextlib.nullcontext()
-        phrase = "NumPy's BLAS on its default threads: threadpoolctl is not installed"
-    if "OPENBLAS_CORETYPE" in os.environ:
-        phrase += f" at OPENBLAS_CORETYPE={os.environ['OPENBLAS_CORETYPE']}"
+        phrase = f"NumPy's BLAS{at} on its default threads: threadpoolctl is not installed"
     with limit:
         return numpy_sgemm(n, min_sample, samples), phrase + fallback
 
