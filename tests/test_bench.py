@@ -221,6 +221,15 @@ def test_numpy_sgemm_runs_at_the_core_type_of_attnpp_level(monkeypatch):
     assert phrase.startswith((f"NumPy's BLAS at OPENBLAS_CORETYPE={other} on its default threads",
                               f"NumPy's BLAS on 1 threads at OPENBLAS_CORETYPE={other}")), phrase
     assert phrase.endswith(f"; at OPENBLAS_CORETYPE={core} in a child process it failed: no such core")
+    # a wrong product in this process gives no limit (NaN), and says why, instead of ending the run
+    measure = sys.modules["attnpp.bench.measure"]
+
+    def wrong(*args):
+        raise ValueError("np.matmul is off the float64 product by 1.0e+00 (> 1e-4)")
+    monkeypatch.setattr(measure, "numpy_sgemm", wrong)
+    rate, phrase = bench.numpy_sgemm_gflops(128, 0.002, 1, samples=2)
+    assert np.isnan(rate) and phrase.endswith("no such core; np.matmul is off the float64 product by 1.0e+00 (> 1e-4)")
+    assert bench.gemm_products("avx512", False, {"PyTorch": 100.0, "NumPy": rate})["float32"] == "PyTorch"
 
 
 def test_table_row_shows_the_share_of_this_process_limit():

@@ -138,7 +138,8 @@ def numpy_sgemm_gflops(n, min_sample, threads, samples=SGEMM_SAMPLES):
     core type, ``OPENBLAS_L2_SIZE`` unset (set beside it on the same hosts) and ``OPENBLAS_NUM_THREADS`` =
     ``threads``; a child that fails (its product checked against float64 too) leaves the product to this process,
     and the phrase says why. In this process NumPy's BLAS is limited to ``threads`` through threadpoolctl if it is
-    installed (it is not a dependency), else it runs on its own default.
+    installed (it is not a dependency), else it runs on its own default; a wrong product there gives NaN (then
+    PyTorch's sgemm is the limit: report.gemm_products) and the phrase says so.
     """
     core = numpy_level_core()
     fallback = ""
@@ -160,7 +161,10 @@ def numpy_sgemm_gflops(n, min_sample, threads, samples=SGEMM_SAMPLES):
         limit = contextlib.nullcontext()
         phrase = f"NumPy's BLAS{at} on its default threads: threadpoolctl is not installed"
     with limit:
-        return numpy_sgemm(n, min_sample, samples), phrase + fallback
+        try:
+            return numpy_sgemm(n, min_sample, samples), phrase + fallback
+        except ValueError as wrong:  # (no limit from a wrong product; the run's figures stand)
+            return math.nan, f"{phrase}{fallback}; {wrong}"
 
 
 def sgemm_gflops(n, min_sample, samples=SGEMM_SAMPLES, bfloat16=True):
