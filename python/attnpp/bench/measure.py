@@ -107,6 +107,13 @@ def measure(case, repeats, min_sample, peers=None):
                   {title: peer_results[title] for title in order if title in peer_results})
 
 
+def product_gflops(call, n, min_sample, samples):
+    """GFLOP/s of ``call``, an (n, n) @ (n, n) product (2 n^3 flops): the median of ``samples`` samples (a batch
+    lasting at least ``min_sample`` each) after a warm-up call."""
+    calls = calibrate(call, min_sample, sample(call, 1))  # the first call: the warm-up
+    return 2.0 * n ** 3 / np.median([sample(call, calls) for _ in range(samples)]) / 1e9
+
+
 def numpy_sgemm(n, min_sample, samples=SGEMM_SAMPLES):
     """GFLOP/s of a float32 (n, n) @ (n, n) ``np.matmul`` in this process: the median of ``samples`` samples (a
     batch lasting at least ``min_sample`` each) after a warm-up, the output allocated once. ValueError when its
@@ -115,9 +122,7 @@ def numpy_sgemm(n, min_sample, samples=SGEMM_SAMPLES):
     rng = np.random.default_rng(0)
     a, b = (rng.standard_normal((n, n), dtype=np.float32) for _ in range(2))
     c = np.empty((n, n), np.float32)
-    call = lambda: np.matmul(a, b, out=c)
-    calls = calibrate(call, min_sample, sample(call, 1))  # the first call: the warm-up
-    rate = 2.0 * n ** 3 / np.median([sample(call, calls) for _ in range(samples)]) / 1e9
+    rate = product_gflops(lambda: np.matmul(a, b, out=c), n, min_sample, samples)
     ref = a[:64].astype(np.float64) @ b.astype(np.float64)
     error = float(np.abs(c[:64] - ref).max() / max(1.0, np.abs(ref).max()))
     if error > 1e-4:
@@ -189,9 +194,6 @@ def sgemm_gflops(n, min_sample, samples=SGEMM_SAMPLES, bfloat16=True):
     if bfloat16:
         ta16, tb16, tc16 = (t.to(torch.bfloat16) for t in (ta, tb, tc))
         sides["PyTorch bfloat16"] = lambda: torch.mm(ta16, tb16, out=tc16)
-    rates = {}
-    for name, call in sides.items():
-        calls = calibrate(call, min_sample, sample(call, 1))  # the first call: the warm-up
-        rates[name] = 2.0 * n ** 3 / np.median([sample(call, calls) for _ in range(samples)]) / 1e9
+    rates = {name: product_gflops(call, n, min_sample, samples) for name, call in sides.items()}
     rates["NumPy"], numpy_threads = numpy_sgemm_gflops(n, min_sample, torch.get_num_threads(), samples)
     return rates, numpy_threads

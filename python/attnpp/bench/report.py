@@ -33,12 +33,10 @@ def gemm_products(level=None, forced=None, rates=None):
     """
     level = attnpp.cpu_capability() if level is None else level
     forced = "ATTNPP_CPU_CAPABILITY" in os.environ if forced is None else forced
-    if forced and numpy_openblas():
-        sgemm = "NumPy"
-    elif rates is not None and not forced:
-        sgemm = max(("PyTorch", "NumPy"), key=lambda name: rates[name])
+    if forced:
+        sgemm = "NumPy" if numpy_openblas() else "PyTorch"
     else:
-        sgemm = "PyTorch"
+        sgemm = "PyTorch" if rates is None else max(("PyTorch", "NumPy"), key=lambda name: rates[name])
     return {"float32": sgemm, "bfloat16": "PyTorch bfloat16" if level == "avx512_bf16" else sgemm}
 
 
