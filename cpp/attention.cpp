@@ -47,15 +47,6 @@ int64_t key_block(const AttnConfig<T>& cfg, bool edge_blocks = false) {
   return edge_blocks && 512 * (cfg.D + cfg.Dv) <= kForwardPack ? 512 : 256;
 }
 
-// The softmax's base: 2 where exp2_nonpositive is (float on x86-64), as in FlashAttention-2: score_block scales the
-// scores by log2(e) with the softmax scale, so that a weight is 2^(s - m) (the forward's running max m) or
-// 2^(s - log2(e) lse) (the backward's, from the saved log-sum-exp, which stays natural), exp2 being the cheaper
-// (vector_exp.hpp). Elsewhere (double; NEON) base e.
-template <typename C>
-constexpr bool kBase2 = shifter_exp<typename Eigen::internal::packet_traits<C>::type>();
-template <typename C>
-constexpr C kScoreUnits = kBase2<C> ? C(M_LOG2E) : C(1);
-
 // A block of query rows of sequence n: heads [h0, h0 + heads) x queries [i0, i0 + rows), row r being head
 // h0 + r / rows, query i0 + r % rows. Several query heads of one key/value head share a block when the
 // sequences are short (GQA decoding: the group's rows read each key block once).
@@ -77,12 +68,11 @@ void add_rows(const View4<T>& a, int64_t n, int64_t h, int64_t r0, const compute
   }
 }
 
-// scores (R, cols) = the scores of the rows of `b` against keys [j0, j0 + cols) of sequence `vis`, in the
-// softmax's base (kScoreUnits: times log2(e) in base 2): scale * q_blk k_blk^T (products P:
-// attention_products.hpp), soft-capped, plus the masks and the ALiBi bias, -inf outside each row's visible keys;
-// q_blk (R, D), kt = k_blk^T (D, >= cols) packed, or (`keys`, at most kFewRows rows) k_blk's rows read where they
-// lie, keys[c * keys_ld..]. With a soft cap and `dcap`, also dcap (R, cols) = 1 - tanh^2, the cap's derivative.
-// Returns false when every score is -inf.
+// scores (R, cols) = the scores of the rows of `b` against keys [j0, j0 + cols) of sequence `vis`: scale * q_blk
+// k_blk^T (products P: attention_products.hpp), soft-capped, plus the masks and the ALiBi bias, -inf outside each
+// row's visible keys; q_blk (R, D), kt = k_blk^T (D, >= cols) packed, or (`keys`, at most kFewRows rows) k_blk's rows
+// read where they lie, keys[c * keys_ld..]. With a soft cap and `dcap`, also dcap (R, cols) = 1 - tanh^2, the cap's
+// derivative. Returns false when every score is -inf.
 // kt_col0: the block's first column in kt (a multiple of the panel width).
 template <typename P, typename T>
 bool score_block(RowMat<compute_t<T>>& scores, RowMat<compute_t<T>>* dcap, typename P::Rows q_blk,
@@ -90,27 +80,25 @@ bool score_block(RowMat<compute_t<T>>& scores, RowMat<compute_t<T>>* dcap, typen
                  const Visible& vis, int64_t j0, int64_t kt_col0 = 0, const T* keys = nullptr,
                  int64_t keys_ld = 0) {
   using C = compute_t<T>;
-  constexpr C units = kScoreUnits<C>;
   const int64_t R = b.count();
   scores.resize(R, cols);
   if (keys)
-    P::product_in_place(scores.data(), cols, q_blk, keys, keys_ld, R, cols, cfg.D, cfg.scale * units);
+    P::product_in_place(scores.data(), cols, q_blk, keys, keys_ld, R, cols, cfg.D, cfg.scale);
   else
-    P::product(scores.data(), cols, q_blk, kt, R, cols, cfg.D, cfg.scale * units, Write::assign, 0, kt_col0);
+    P::product(scores.data(), cols, q_blk, kt, R, cols, cfg.D, cfg.scale, Write::assign, 0, kt_col0);
   if (cfg.softcap > 0) {  // s = softcap * tanh(s / softcap)
-    const C cap = cfg.softcap * units;
-    scores.array() = (scores.array() / cap).tanh();
+    scores.array() = (scores.array() / cfg.softcap).tanh();
     if (dcap) dcap->array() = C(1) - scores.array().square();
-    scores.array() *= cap;
+    scores.array() *= cfg.softcap;
   }
   bool any = false;
   for (int64_t r = 0; r < R; ++r) {
     const int64_t h = b.head(r), i = b.query(r);
     C* row = &scores(r, 0);
     for (const auto& m : cfg.masks)
-      for (int64_t c = 0; c < cols; ++c) row[c] += units * m.at(b.n, h, i, j0 + c);
+      for (int64_t c = 0; c < cols; ++c) row[c] += m.at(b.n, h, i, j0 + c);
     if (cfg.alibi) {  // -slope * |i + S - L - j|
-      const C slope = cfg.alibi[b.n * cfg.alibi_n + h] * units;
+      const C slope = cfg.alibi[b.n * cfg.alibi_n + h];
       const int64_t pos = i + vis.diag() - j0;
       for (int64_t c = 0; c < cols; ++c) row[c] -= slope * C(std::abs(pos - c));
     }
@@ -163,21 +151,27 @@ T row_max(const T* row, int64_t n) {
   return max == neg_inf<T>() && x.isNaN().any() ? std::numeric_limits<T>::quiet_NaN() : max;
 }
 
-// row = exp(row - shift) (Base2: 2^(row - shift), where shifter_exp), exactly 0 where row is -inf; returns the
-// row's sum. One pass over Eigen's packets. Where the exp gives exactly 0 at -inf (shifter_exp) and the shift is
-// finite, -inf - shift is -inf and needs nothing more; else (a NaN shift, Eigen's generic exp, whose -inf gives a
-// subnormal) -inf is selected to 0. The sum is in a fixed order: one partial sum per lane.
-template <bool Base2 = false, typename T>
+// row = exp(row - shift), exactly 0 where row is -inf; returns the row's sum. One pass over Eigen's packets. Where
+// shifter_exp (float on x86-64), as 2^((row - shift) log2(e)), exp2_nonpositive being the cheaper (vector_exp.hpp);
+// the scores, the max and the log-sum-exp stay natural, as PyTorch's, and a row's largest weight is exactly 1.
+// (Scores scaled by log2(e) in the product, FlashAttention-2's way, saved the multiply, but were rounded in those
+// units, 1.44 times the natural ones: the log-sum-exp's error reached twice PyTorch's.) Where the exp gives exactly 0
+// at -inf (shifter_exp) and the shift is finite, -inf - shift is -inf and needs nothing more; else (a NaN shift,
+// Eigen's generic exp, whose -inf gives a subnormal) -inf is selected to 0. The sum is in a fixed order: one partial
+// sum per lane.
+template <typename T>
 T exp_shifted_in_place(T* row, int64_t n, T shift) {
   namespace ei = Eigen::internal;
   using P = typename ei::packet_traits<T>::type;
   constexpr int64_t W = ei::unpacket_traits<P>::size;
+  constexpr bool base2 = shifter_exp<P>();
   const P vshift = ei::pset1<P>(shift), vninf = ei::pset1<P>(neg_inf<T>()), zero = ei::pset1<P>(T(0));
+  const P log2e = ei::pset1<P>(T(M_LOG2E));
   P vsum = zero;
   int64_t c = 0;
-  const auto exp_packet = [](const P& x) {
-    if constexpr (Base2)
-      return exp2_nonpositive(x);
+  const auto exp_packet = [&](const P& x) {
+    if constexpr (base2)
+      return exp2_nonpositive(ei::pmul(x, log2e));
     else
       return exp_nonpositive(x);
   };
@@ -196,21 +190,21 @@ T exp_shifted_in_place(T* row, int64_t n, T shift) {
     walk(std::false_type{});
   T sum = ei::predux(vsum);
   for (; c < n; ++c) {
-    row[c] = row[c] == neg_inf<T>() ? T(0) : Base2 ? std::exp2(row[c] - shift) : std::exp(row[c] - shift);
+    const T x = row[c] - shift;
+    row[c] = row[c] == neg_inf<T>() ? T(0) : base2 ? std::exp2(x * T(M_LOG2E)) : std::exp(x);
     sum += row[c];
   }
   return sum;
 }
 
-// p_blk = exp(scores - logsumexp) row by row, the scores in the softmax's base (kBase2: 2^(scores - log2(e) lse));
-// rows with logsumexp = -inf (fully masked) are 0.
+// p_blk = exp(scores - logsumexp) row by row; rows with logsumexp = -inf (fully masked) are 0.
 template <typename T>
 void probs_from_lse(RowMat<T>& p_blk, const T* lse) {
   for (int64_t r = 0; r < p_blk.rows(); ++r) {
     if (lse[r] == neg_inf<T>())
       p_blk.row(r).setZero();
     else
-      exp_shifted_in_place<kBase2<T>>(&p_blk(r, 0), p_blk.cols(), lse[r] * kScoreUnits<T>);
+      exp_shifted_in_place(&p_blk(r, 0), p_blk.cols(), lse[r]);
   }
 }
 
@@ -230,7 +224,6 @@ void forward(const View4<Q>& out, compute_t<T>* logsumexp, const View4<const Q>&
   // bl: rows per task; bs: keys per block (the causal diagonal takes edge blocks, below)
   const int64_t bl = kForwardRows, bs = key_block(cfg, true);
   const int64_t g = cfg.group();
-  constexpr bool base2 = kBase2<C>;  // (the running max m in the scores' units until the rows' end)
   // One task: a block of query rows of (n, key/value head) for some of the group's query heads. Short sequences:
   // the heads' rows stacked into one block of rows for the products (`stacked`: a decoding step's single rows need
   // it). Long ones: the whole group when that leaves 8 tasks a thread, each head's rows in turn against each key
@@ -336,13 +329,13 @@ void forward(const View4<Q>& out, compute_t<T>* logsumexp, const View4<const Q>&
                   m_new(r) = std::isnan(blk_max) || blk_max > m_old ? blk_max : m_old;
                   alpha(r) = m_new(r) == neg_inf<C>() ? C(0) : m_old - m_new(r);
                 }
-                exp_shifted_in_place<base2>(alpha.data(), br, C(0));
+                exp_shifted_in_place(alpha.data(), br, C(0));
                 for (int64_t r = 0; r < br; ++r) {
                   if (m_new(r) == neg_inf<C>()) {  // nothing visible yet in this row
                     s_blk.row(r).setZero();
                     continue;
                   }
-                  l(r0 + r) = l(r0 + r) * alpha(r) + exp_shifted_in_place<base2>(&s_blk(r, 0), cols, m_new(r));
+                  l(r0 + r) = l(r0 + r) * alpha(r) + exp_shifted_in_place(&s_blk(r, 0), cols, m_new(r));
                   acc.row(r0 + r) *= alpha(r);
                   m(r0 + r) = m_new(r);
                 }
@@ -360,7 +353,6 @@ void forward(const View4<Q>& out, compute_t<T>* logsumexp, const View4<const Q>&
               }
             }
           }
-          if (base2) m *= C(M_LN2);  // (back to natural units)
           for (int64_t r = 0; r < R; ++r) {
             const int64_t h = b.head(r), i = b.query(r);
             C& lse = logsumexp[cfg.lse_index(n, h, i)];
