@@ -308,9 +308,12 @@ def test_capability_above_the_cpu_exits_with_the_import_error(tmp_path):
     python.write_text(f'#!/bin/sh\nexec qemu-x86_64 -cpu Nehalem -0 "{python}" "{os.path.realpath(sys.executable)}" '
                       '"$@"\n')
     python.chmod(0o755)
-    # the wrapper is outside any prefix: name this interpreter's packages (a venv's site-packages) explicitly
+    # the wrapper is outside any prefix: name this interpreter's packages (a venv's site-packages) explicitly; and
+    # OpenBLAS's core type the emulated CPU's (a host's OPENBLAS_CORETYPE=Haswell kills `import numpy` there with
+    # SIGILL, before the benchmark starts)
     path = os.pathsep.join(filter(None, [os.environ.get("PYTHONPATH"), *site.getsitepackages()]))
-    result = run("--capability", "avx2", bench=[str(python)] + BENCH[1:], env={**os.environ, "PYTHONPATH": path})
+    env = {**os.environ, "PYTHONPATH": path, "OPENBLAS_CORETYPE": "Nehalem"}
+    result = run("--capability", "avx2", bench=[str(python)] + BENCH[1:], env=env)
     assert result.returncode == 1, result.stdout + result.stderr
     assert result.stderr.strip().splitlines()[-1] == (
         "--capability avx2: ImportError: ATTNPP_CPU_CAPABILITY=avx2: this CPU cannot run the avx2 kernels; it "

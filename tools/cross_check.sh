@@ -155,11 +155,12 @@ for name in clang no_openmp; do
 done
 
 # c. the installed package on a Nehalem. emulated_check.py starts its child (the forced level) with EMULATOR:
-#    qemu-user hands a guest's execve to the host, so a plain child would run natively.
+#    qemu-user hands a guest's execve to the host, so a plain child would run natively. OpenBLAS's core type is the
+#    emulated CPU's: a host's OPENBLAS_CORETYPE (Haswell on some) kills `import numpy` there with SIGILL.
 export EMULATOR="qemu-x86_64 -cpu Nehalem"
 if (cd "$work" && "$PY" -c 'import attnpp' 2>/dev/null); then
     run "c. installed attnpp (qemu-x86_64 -cpu Nehalem)" "$work/python.log" \
-        env -u ATTNPP_CPU_CAPABILITY qemu-x86_64 -cpu Nehalem "$PY" tools/emulated_check.py
+        env -u ATTNPP_CPU_CAPABILITY OPENBLAS_CORETYPE=Nehalem qemu-x86_64 -cpu Nehalem "$PY" tools/emulated_check.py
 else
     record FAIL "c. installed attnpp (qemu-x86_64 -cpu Nehalem)" "attnpp not importable by $PY (pip install . first)"
     echo "cross_check.sh: ${results[-1]}"
