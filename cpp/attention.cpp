@@ -153,10 +153,9 @@ T row_max(const T* row, int64_t n) {
 
 // row = exp(row - shift), exactly 0 where row is -inf; returns the row's sum. One pass over Eigen's packets. Where
 // shifter_exp (float on x86-64), as 2^((row - shift) log2(e)), exp2_nonpositive being the cheaper (vector_exp.hpp);
-// the scores, the max and the log-sum-exp stay natural, as PyTorch's, and a row's largest weight is exactly 1.
-// (Scores scaled by log2(e) in the product, FlashAttention-2's way, saved the multiply, but were rounded in those
-// units, 1.44 times the natural ones: the log-sum-exp's error reached twice PyTorch's.) Where the exp gives exactly 0
-// at -inf (shifter_exp) and the shift is finite, -inf - shift is -inf and needs nothing more; else (a NaN shift,
+// the scores, the max and the log-sum-exp stay natural, as PyTorch's (docs/design.md: scores scaled by log2(e) in
+// the product doubled the log-sum-exp's error), and a row's largest weight is exactly 1. Where the exp gives exactly
+// 0 at -inf (shifter_exp) and the shift is finite, -inf - shift is -inf and needs nothing more; else (a NaN shift,
 // Eigen's generic exp, whose -inf gives a subnormal) -inf is selected to 0. The sum is in a fixed order: one partial
 // sum per lane.
 template <typename T>
