@@ -449,6 +449,32 @@ def test_window_reference_masks_are_attnpps_window():
     assert (dense[0, 0].numpy() == mask).all()
 
 
+@pytest.mark.parametrize("kind", ["kernel", "layer"])
+def test_forward_backward_memory_counts_the_gradients_it_allocates(kind):
+    # a call's growth includes the gradients it allocates, on both sides: the last call's, freed inside the call,
+    # are freed before the resident set is taken (else they offset the new ones: PyTorch's kernel call grew less
+    # than its own gradients and output). Arrays of 64 MiB and more, which malloc maps and unmaps whole, so that
+    # the freed ones leave the resident set at once.
+    from attnpp import bench
+    MiB = 2 ** 20
+    if kind == "kernel":
+        shape = (256, 16, 64, 64)  # 64 MiB an array, few operations
+        calls = bench.kernel_calls(shape, True, True)
+        tensor = 4 * np.prod(shape) / MiB
+        kept = [4 * tensor, 4 * tensor]  # the output and dq, dk, dv on both sides (attnpp: and the log-sum-exp)
+    else:
+        B, L, E = 1, 16, 2048  # the input projection's weight: 48 MiB
+        calls = bench.mha_calls(B, L, E, 16, False)
+        kept = [4 * (4 * E * E + 4 * E) / MiB] * 2  # the parameters' gradients (the input's, the output beside)
+    for call, floor, side in zip(calls, kept, ("attnpp", "PyTorch")):
+        call()
+        call()  # (the last call's gradients alive, as the bench's warm-up leaves them)
+        growth = call.peak_growth_mib() if hasattr(call, "peak_growth_mib") else bench.peak_growth_mib(call)
+        if growth is None:
+            pytest.skip("/proc/self/clear_refs is not writable: no peak resident set to reset")
+        assert growth >= floor - 1, f"{side}: grew {growth:.1f} MiB, below the {floor:.1f} MiB it allocates"
+
+
 @pytest.mark.parametrize("name_start", ["window fwd+bwd (1,2,128,16) causal w=16 vs dense mask", "varlen fwd+bwd"])
 def test_variant_sides_compute_the_same_attention(name_start):
     # attnpp's call and PyTorch's reference of a variant case: the same outputs and gradients (PyTorch's padded

@@ -116,7 +116,8 @@ mean of a batch calibrated so that one sample lasts at least 20 ms; the training
 chunk per sample. Each pair gives a ratio t_PyTorch / t_attnpp (above 1: attnpp is faster); the table shows the
 median of the ratios with their interquartile range, and the median time of each side (the training: the sum of
 all chunks). Memory: the growth of the peak resident set (VmHWM, reset through /proc/self/clear_refs) over the
-resident set before one call, with the inputs already allocated: temporaries, outputs and gradients.
+resident set before one call, with the inputs already allocated and the last call's gradients freed:
+temporaries, outputs and gradients.
 
 What each side runs in a call:
 

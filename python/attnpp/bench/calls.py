@@ -15,6 +15,7 @@ from attnpp import functional as F, nn
 from attnpp.torch import from_numpy
 
 from .config import HALVES
+from .measure import peak_growth_mib
 from .peers import Problem
 
 
@@ -32,14 +33,30 @@ def forward_only(attnpp_call, torch_call):
     return attnpp_run, torch_run
 
 
+class FreshGradients:
+    """A forward + backward call that frees the last call's gradients first (``release``: to None, as zero_grad
+    does), so that every call allocates and fills fresh ones. Its memory is measured after that release: else the
+    last call's gradients, alive when the resident set is taken and freed inside the call, would offset the new
+    ones (PyTorch's fwd+bwd of (1,32,4096,128) grew 130 MiB instead of 324, less than its gradients and output)."""
+
+    def __init__(self, run, release):
+        self.run, self.release = run, release
+
+    def __call__(self):
+        self.release()
+        self.run()
+
+    def peak_growth_mib(self):
+        self.release()
+        return peak_growth_mib(self)
+
+
 def torch_forward_backward(forward, leaves, grad_output):
-    """One PyTorch forward and ``out.backward(grad_output)``; the leaves' .grad set to None first (as zero_grad
-    does), so every call allocates and fills fresh gradients."""
-    def run():
+    """One PyTorch forward and ``out.backward(grad_output)``, the leaves' gradients fresh (FreshGradients)."""
+    def release():
         for t in leaves:
             t.grad = None
-        forward().backward(grad_output)
-    return run
+    return FreshGradients(lambda: forward().backward(grad_output), release)
 
 
 @dataclass
@@ -130,15 +147,15 @@ def layer_calls(layer, ref, x, backward, forward=None, ref_forward=None):
         out_shape = forward(x).shape
     g = np.random.default_rng(1).standard_normal(out_shape, dtype=np.float32).astype(x.dtype)
 
-    def attnpp_call():
-        layer.zero_grad()  # gradients to None (set_to_none=True, as PyTorch's): the backward allocates fresh ones
+    def attnpp_step():  # (after zero_grad: gradients to None, set_to_none=True as PyTorch's)
         forward(x)
         grads = layer.backward(g)  # consumes the context the forward just saved
         if isinstance(grads, tuple):  # MultiheadAttention: x was query, key and value; autograd sums the three
             grads[0] + grads[1] + grads[2]
 
     tx.requires_grad_()
-    return attnpp_call, torch_forward_backward(lambda: ref_forward(tx), [tx, *ref.parameters()], from_numpy(g))
+    return FreshGradients(attnpp_step, layer.zero_grad), \
+        torch_forward_backward(lambda: ref_forward(tx), [tx, *ref.parameters()], from_numpy(g))
 
 
 def mha_calls(B, L, E, heads, need_weights, dtype="float32"):
@@ -181,8 +198,7 @@ def padded_causal_calls(B, L, E, heads, bridge):
     layer = nn.Attention(E, heads, causal=True)
     g_np = g.numpy()
 
-    def attnpp_call():
-        layer.zero_grad()
+    def attnpp_step():
         layer(x, key_padding_mask=pad)
         layer.backward(g_np)
-    return attnpp_call, torch_call
+    return FreshGradients(attnpp_step, layer.zero_grad), torch_call

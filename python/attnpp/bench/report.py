@@ -183,8 +183,8 @@ def print_report(results, repeats, min_sample, quick, load, sgemm, peers=None):
     print(f"times: median per call, a fast call timed as the mean of a batch lasting >= {min_sample * 1e3:.0f} ms "
           "(training: all steps); forward-only cases under no_grad on both sides (attnpp.no_grad, torch.no_grad); "
           "the articles' layers in eval mode (dropout off) on both sides")
-    print("MiB: growth of the peak resident set (VmHWM) during one call after warm-up, inputs already allocated "
-          "(temporaries + outputs + gradients)")
+    print("MiB: growth of the peak resident set (VmHWM) during one call after warm-up, inputs already allocated, "
+          "the last call's gradients freed (temporaries + outputs + gradients)")
     n, rates, _ = sgemm
     print("GFLOP/s: attnpp's, FlashAttention's count (forward 4 B H L S D, halved when causal; backward 2.5 times the "
           "forward); % of GEMM: of the same run's GEMM rate in the arithmetic attnpp computes the case in (see the "
