@@ -358,7 +358,7 @@ void forward(const View4<Q>& out, compute_t<T>* logsumexp, const View4<const Q>&
             const C lse_keys = l(r) == 0 ? neg_inf<C>() : m(r) + std::log(l(r));
             // the output row: acc's row scaled in place (an Eigen row temporary per row was 2.9% of the
             // (8,12,256,64) causal forward at AVX-512), 0 where no key is visible (never NaN)
-            C* o_row = &acc(r, 0);
+            C* o_row = acc.data() + r * cfg.Dv;  // (not &acc(r, 0): a reference to nothing when Dv = 0)
             C scale = 0;
             if (cfg.sinks) {  // the sink joins the denominator as a key would: l + exp(sink - m), both from mx
               const C sink = cfg.sinks[h];
