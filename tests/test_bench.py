@@ -469,7 +469,7 @@ def test_forward_backward_memory_counts_the_gradients_it_allocates(kind):
     for call, floor, side in zip(calls, kept, ("attnpp", "PyTorch")):
         call()
         call()  # (the last call's gradients alive, as the bench's warm-up leaves them)
-        growth = call.peak_growth_mib() if hasattr(call, "peak_growth_mib") else bench.peak_growth_mib(call)
+        growth = bench.growth_mib(call)
         if growth is None:
             pytest.skip("/proc/self/clear_refs is not writable: no peak resident set to reset")
         assert growth >= floor - 1, f"{side}: grew {growth:.1f} MiB, below the {floor:.1f} MiB it allocates"

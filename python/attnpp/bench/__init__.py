@@ -152,7 +152,7 @@ from .cli import main, parse_args
 from .config import SIZES, capability_env
 from .decode_length import decode_length_cases, decode_problem, plain_decode_calls
 from .machine import numpy_level_core, numpy_openblas
-from .measure import measure, numpy_sgemm, numpy_sgemm_gflops, peak_growth_mib, sgemm_gflops
+from .measure import growth_mib, measure, numpy_sgemm, numpy_sgemm_gflops, peak_growth_mib, sgemm_gflops
 from .peers import ENGINES, Peers, Problem, check_error, reference_rows
 from .registry import FAMILIES, make_cases
 from .report import (bfloat16_gemm_line, gemm_products, gemm_rate, gemm_share, peer_rows, print_report, row,
@@ -164,7 +164,7 @@ __all__ = ["Case", "ENGINES", "FAMILIES", "HelloWorldModel", "PeerResult", "Peer
            "Sides", "Skipped", "Unavailable", "attention_calls", "attention_flops", "bfloat16_gemm_line",
            "capability_env", "causal_length_cases", "check_error", "compile_first_call", "decode_length_cases",
            "decode_problem", "decode_steps", "flex_summary", "fmt_shape", "fmt_time", "gemm_products", "gemm_rate",
-           "gemm_share", "kernel_calls", "kernel_flops", "kernel_problem", "layer_calls", "main", "make_cases",
+           "gemm_share", "growth_mib", "kernel_calls", "kernel_flops", "kernel_problem", "layer_calls", "main", "make_cases",
            "measure", "mha_calls", "numpy_level_core", "numpy_openblas", "numpy_sgemm", "numpy_sgemm_gflops",
            "parse_args", "peak_growth_mib", "peer_rows", "plain_decode_calls", "print_report",
            "random_inputs", "reference_rows", "row", "sdpa_sides", "sgemm_gflops", "sgemm_line", "sliding_window",

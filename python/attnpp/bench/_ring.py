@@ -6,13 +6,13 @@ import atexit
 import datetime
 import os
 import socket
+from functools import partial
 
 import numpy as np
 import torch
 import torch.multiprocessing as mp
 
-from .calls import random_inputs
-from .measure import peak_growth_mib
+from .calls import FreshGradients, random_inputs, set_gradients_to_none
 
 _POOLS = {}  # world -> Workers, started once per run, stopped at exit
 
@@ -27,7 +27,7 @@ def _worker(rank, world, port, conn):
     attnpp.set_num_threads(1)
     torch.distributed.init_process_group("gloo", rank=rank, world_size=world,
                                          timeout=datetime.timedelta(seconds=600))
-    call, leaves = None, []
+    call = None
     while True:
         command = conn.recv()
         if command[0] == "stop":
@@ -37,12 +37,11 @@ def _worker(rank, world, port, conn):
             shards = [shard_sequence(torch.from_numpy(a), layout=layout) for a in random_inputs(shape)]
             q, k, v, g = shards
             leaves = [t.requires_grad_() for t in (q, k, v)] if backward else []
-            call = _ring_call(ring_attention, q, k, v, g if backward else None, is_causal=is_causal, layout=layout)
+            call = FreshGradients(_ring_call(ring_attention, q, k, v, g if backward else None, is_causal=is_causal,
+                                             layout=layout), partial(set_gradients_to_none, leaves))
             conn.send(sum(t.numel() * t.element_size() for t in (shards if backward else shards[:3])))
         elif command[0] == "call":
-            for t in leaves:  # (the last call's gradients freed first: else the growth would not count them)
-                t.grad = None
-            conn.send(peak_growth_mib(call) if command[1] else call())
+            conn.send(call.peak_growth_mib() if command[1] else call())
     torch.distributed.barrier()
     conn.send("stopped")
     os._exit(0)  # (no process-group teardown: see tests/test_transformers.py's DDP ranks)
@@ -50,7 +49,7 @@ def _worker(rank, world, port, conn):
 
 def _ring_call(ring_attention, q, k, v, grad_output, **options):
     """One ring attention: forward under no_grad, or (``grad_output`` given) forward and backward (the worker
-    sets the leaves' gradients to None before each call)."""
+    wraps it in FreshGradients, which sets the leaves' gradients to None before each call)."""
     def call():
         if grad_output is None:
             with torch.no_grad():

@@ -44,19 +44,22 @@ class FreshGradients:
 
     def __call__(self):
         self.release()
-        self.run()
+        return self.run()
 
     def peak_growth_mib(self):
         self.release()
         return peak_growth_mib(self)
 
 
+def set_gradients_to_none(tensors):
+    """A FreshGradients release for PyTorch leaves."""
+    for t in tensors:
+        t.grad = None
+
+
 def torch_forward_backward(forward, leaves, grad_output):
     """One PyTorch forward and ``out.backward(grad_output)``, the leaves' gradients fresh (FreshGradients)."""
-    def release():
-        for t in leaves:
-            t.grad = None
-    return FreshGradients(lambda: forward().backward(grad_output), release)
+    return FreshGradients(lambda: forward().backward(grad_output), partial(set_gradients_to_none, leaves))
 
 
 @dataclass

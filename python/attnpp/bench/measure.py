@@ -53,6 +53,12 @@ def peak_growth_mib(call):
     return (_status_kib("VmHWM") - before) / 1024
 
 
+def growth_mib(call):
+    """peak_growth_mib of one call, or the call's own measure where it has one: a call that frees the last call's
+    gradients first (calls.FreshGradients), one that other processes run (their growth)."""
+    return call.peak_growth_mib() if hasattr(call, "peak_growth_mib") else peak_growth_mib(call)
+
+
 def sample(call, n):
     """Seconds per call, the mean over ``n`` calls in a row; the garbage collector off meanwhile, as timeit does."""
     gc.disable()
@@ -87,8 +93,7 @@ def measure(case, repeats, min_sample, peers=None):
     sides = case.build()
     # warm-up: first-call costs (lazy initialisation, thread start, first allocations) stay out of the timings
     first = [sample(call, 1) for call in sides]
-    memory = tuple(call.peak_growth_mib() if hasattr(call, "peak_growth_mib") else peak_growth_mib(call)
-                   for call in sides)  # (a call run by other processes measures them)
+    memory = tuple(growth_mib(call) for call in sides)
     ready, peer_results = {}, {}
     if peers is not None and case.peer_problem is not None:
         ready, peer_results = peers.prepare(case.peer_problem())
