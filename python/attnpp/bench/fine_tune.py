@@ -14,8 +14,8 @@ Each configuration runs in a fresh process of its own (``run_configuration`` in 
 threshold held at 1 MiB in each: ``ALLOCATOR``; in-process at --quick sizes), one after another, never two at
 once: the same weights and data, a warm-up step (under a dispatch mode that counts the tensors with two dimensions
 of size L any op returns: the dense masks), then ``steps`` timed steps, each with the growth of the peak resident
-set over the one before it (the table's MiB), and the process's peak resident set over its whole life (model,
-optimizer state and all). The cases set each attnpp configuration against ``sdpa``: the same real tokens a step on
+set over the one before it, the last step's gradients freed first (the table's MiB), and the process's peak
+resident set over its whole life (model, optimizer state and all). The cases set each attnpp configuration against ``sdpa``: the same real tokens a step on
 both sides, so the time ratio is the tokens/s ratio.
 """
 from __future__ import annotations
@@ -25,10 +25,12 @@ import os
 import subprocess
 import sys
 import time
+from functools import partial
 
 import numpy as np
 import torch
 
+from .calls import FreshGradients
 from .case import Case, Unavailable
 from .config import FINE_TUNE
 
@@ -118,7 +120,6 @@ def run_configuration(spec):
 
     import attnpp
     import attnpp.transformers
-    from .measure import peak_growth_mib
     torch.set_num_threads(spec["threads"])
     attnpp.set_num_threads(spec["threads"])
     impl, fused, packed = CONFIGS[spec["config"]]
@@ -141,9 +142,12 @@ def run_configuration(spec):
         start = time.perf_counter()
         train_step(model, optimizer, batches, packed)
         times.append(time.perf_counter() - start)
+    # (the last step's gradients freed before the resident set is taken: freed inside the step, they would offset
+    # its new ones)
+    fresh = FreshGradients(step, partial(optimizer.zero_grad, set_to_none=True))
     for _ in range(spec["steps"]):
         peaks.append(_peak_mib())  # (before peak_growth_mib resets the peak to the current resident set)
-        growth.append(peak_growth_mib(step))
+        growth.append(fresh.peak_growth_mib())
     peaks.append(_peak_mib())
     peak = None if None in peaks else max(peaks)
     parameters = sum(p.numel() for p in model.parameters())  # (the tied embedding once)
