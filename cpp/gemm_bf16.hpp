@@ -236,8 +236,13 @@ inline void to_pair_rows(uint32_t* out, const float* a, int64_t lda, int64_t row
     int64_t c = 0;
     for (; c + 32 <= cols; c += 32)
       _mm512_storeu_si512(o + c / 2, (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(x + c + 16), _mm512_loadu_ps(x + c)));
-    for (; c < cols; c += 2)
-      o[c / 2] = pairs_detail::pair(store<bfloat16>(x[c]), store<bfloat16>(c + 1 < cols ? x[c + 1] : 0.f));
+    // the last columns 16 at a time, masked (zero past the end): element by element, the rows of 16 or 48 weights
+    // of the causal diagonal's chunks (attention.cpp) made (8,12,256,64) causal 3% slower
+    for (; c < cols; c += 16) {
+      const int n = int(std::min<int64_t>(16, cols - c));
+      const __m512 v = _mm512_maskz_loadu_ps(__mmask16((1u << n) - 1), x + c);
+      _mm256_mask_storeu_epi32(o + c / 2, __mmask8((1u << (n + 1) / 2) - 1), (__m256i)_mm512_cvtneps_pbh(v));
+    }
   }
 }
 
