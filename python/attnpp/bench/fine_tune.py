@@ -11,12 +11,12 @@ configurations:
   padding: the varlen kernel), one batch.
 
 Each configuration runs in a fresh process of its own (``run_configuration`` in ``python -c``, glibc's mmap
-threshold held at 1 MiB in each: ``ALLOCATOR``; in-process at --quick sizes), one after another, never two at
-once: the same weights and data, a warm-up step (under a dispatch mode that counts the tensors with two dimensions
-of size L any op returns: the dense masks), then ``steps`` timed steps, each with the growth of the peak resident
-set over the one before it, the last step's gradients freed first (the table's MiB), and the process's peak
-resident set over its whole life (model, optimizer state and all). The cases set each attnpp configuration against ``sdpa``: the same real tokens a step on
-both sides, so the time ratio is the tokens/s ratio.
+threshold held at 1 MiB in each: ``ALLOCATOR``; in-process at --quick sizes), one after another, never two at once:
+the same weights and data, a warm-up step (under a dispatch mode that counts the tensors with two dimensions of size
+L any op returns: the dense masks), then ``steps`` timed steps, each with the growth of the peak resident set over
+the one before it, the last step's gradients freed first (the table's MiB), and the process's peak resident set over
+its whole life (model, optimizer state and all). The cases set each attnpp configuration against ``sdpa``: the same
+real tokens a step on both sides, so the time ratio is the tokens/s ratio.
 """
 from __future__ import annotations
 
