@@ -78,10 +78,10 @@ and weights:
   (varlen).
   Each configuration runs in a fresh process of its own, one after another: a warm-up step, then a timed step
   (each configuration's figures printed on stderr as they come);
-  the table's MiB is the growth of a step, its line the process's peak resident set and the ratio against issue
-  38's bounds (the packed run at most 50% of sdpa's at V = 32,000, 35% at 128,256), the tokens/s (targets 1.1
-  padded, 1.3 packed), the first step's loss on both sides, and the tensors with two dimensions of L that any op
-  of a step returned (the dense masks: none on the packed rows);
+  the table's MiB is the growth of a step (the last step's gradients freed first), its line the process's peak
+  resident set and the ratio against issue 38's bounds (the packed run at most 50% of sdpa's at V = 32,000, 35% at
+  128,256), the tokens/s (targets 1.1 padded, 1.3 packed), the first step's loss on both sides, and the tensors
+  with two dimensions of L that any op of a step returned (the dense masks: none on the packed rows);
 - the distance to the limit: a float32 2048 x 2048 matrix product (sgemm) through ``torch.mm`` and ``np.matmul``,
   timed in the same run on the same threads, and the same product in bfloat16 through ``torch.mm``. Each case with
   a flop count shows attnpp's GFLOP/s (FlashAttention's count: case.attention_flops) and their share of the GEMM
