@@ -42,6 +42,18 @@ constexpr int64_t kEdgeKeys = 64;
 // block's rows chunk by chunk, which rounds them differently (float32: up to 6e-7 of the largest gradient).
 constexpr int64_t kDiagonalRows = 16, kDiagonalCols = 16;
 
+// The next chunk of query rows [c0, end) against the key block [j0, j0 + cols): rows [c0, .end) over the block's
+// first .cols columns, kDiagonalRows rows while they see fewer than cols keys, else all of [c0, end); .cols <= 0
+// where the chunk's rows see none of the block's keys.
+struct Chunk {
+  int64_t end, cols;
+};
+inline Chunk diagonal_chunk(const Visible& vis, int64_t c0, int64_t end, int64_t j0, int64_t cols) {
+  const int64_t c1 = std::min(end, c0 + kDiagonalRows);
+  const int64_t w = std::min(cols, ceil_div(vis.last_key(c1 - 1) + 1 - j0, kDiagonalCols) * kDiagonalCols);
+  return {w == cols ? end : c1, w};
+}
+
 // Keys per block: 256 halves the forward's per-block work outside the products (rescaling the accumulated rows,
 // packing) against 128 (sdpa fwd (1,12,1024,64) against PyTorch at AVX2: 0.96 -> 1.01); 128 under a window, and
 // under the causal mask unless the caller takes `edge_blocks` of kEdgeKeys on the diagonal (the forward): the
@@ -327,10 +339,11 @@ void forward(const View4<Q>& out, compute_t<T>* logsumexp, const View4<const Q>&
               const int64_t r_end = r_first + r_rows;
               for (int64_t hh = 0; hh < (stacked ? 1 : b.heads); ++hh)
                 for (int64_t c0 = r_first, c1; c0 < r_end; c0 = c1) {
-                  c1 = std::min(r_end, c0 + kDiagonalRows);
-                  const int64_t seen = vis.last_key(i0 + c1 - 1) + 1 - j0;  // (>= 1: row c1 - 1 sees key j0 or later)
-                  const int64_t w = stacked ? cols : std::min(cols, ceil_div(seen, kDiagonalCols) * kDiagonalCols);
-                  if (w == cols) c1 = r_end;
+                  // (every row of [r_first, r_end) sees keys of the block: w >= 1)
+                  const Chunk chunk = stacked ? Chunk{i0 + r_end, cols}
+                                              : diagonal_chunk(vis, i0 + c0, i0 + r_end, j0, cols);
+                  const int64_t w = chunk.cols;
+                  c1 = chunk.end - i0;
                   const RowBlock sub = stacked ? b : RowBlock{n, b.h0 + hh, 1, i0 + c0, c1 - c0};
                   const int64_t r0 = stacked ? 0 : hh * b.rows + c0, br = sub.count();
                   if (!score_block<P>(s_blk, nullptr, offset(q_blk, r0), kt, sub, w, cfg, vis, j0,
@@ -473,11 +486,10 @@ void backward(const View4<T>& dq, const View4<T>& dk, const View4<T>& dv, comput
                 const int64_t i1 = std::min(i0 + kBackwardRows, vis.L);
                 const int64_t cols = std::min(width, vis.last_key(i1 - 1) + 1 - j0);
                 for (int64_t c0 = i0, c1; c0 < i1; c0 = c1) {
-                  c1 = std::min(i1, c0 + kDiagonalRows);
-                  const int64_t seen = vis.last_key(c1 - 1) + 1 - j0;
-                  if (seen <= 0) continue;  // (rows above the block's first key)
-                  const int64_t w = std::min(cols, ceil_div(seen, kDiagonalCols) * kDiagonalCols);
-                  if (w == cols) c1 = i1;
+                  const Chunk chunk = diagonal_chunk(vis, c0, i1, j0, cols);
+                  const int64_t w = chunk.cols;
+                  c1 = chunk.end;
+                  if (w <= 0) continue;  // (rows above the block's first key)
                   const RowBlock b{n, h, 1, c0, c1 - c0};
                   const int64_t rows = b.rows;
                   const auto q_blk = P::rows(q_buf, q, n, h, vis.q0 + c0, rows, cfg.D);
