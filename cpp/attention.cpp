@@ -64,9 +64,11 @@ inline Chunk diagonal_chunk(const Visible& vis, int64_t c0, int64_t end, int64_t
 constexpr int64_t kPrefetchBytes = int64_t(1) << 18;
 
 // Requests the rows [r0, r0 + rows) of head (n, h) of a into the L2 cache (not the L1, whose lines the running
-// task's blocks need).
+// task's blocks need). Both prefetch functions are inlined where they are called: GCC takes __builtin_prefetch for
+// free of side effects, and a call to a function made only of prefetches was deleted as dead code.
 template <typename T>
-void prefetch_rows(const View4<const T>& a, int64_t n, int64_t h, int64_t r0, int64_t rows, int64_t cols) {
+__attribute__((always_inline)) inline void prefetch_rows(const View4<const T>& a, int64_t n, int64_t h, int64_t r0,
+                                                          int64_t rows, int64_t cols) {
   constexpr int64_t kLine = 64;
   for (int64_t r = r0; r < r0 + rows; ++r) {
     const auto first = reinterpret_cast<std::uintptr_t>(a.at(n, h, r)) / kLine * kLine;
@@ -74,6 +76,20 @@ void prefetch_rows(const View4<const T>& a, int64_t n, int64_t h, int64_t r0, in
     for (std::uintptr_t line = first; line < end; line += kLine)
       __builtin_prefetch(reinterpret_cast<const void*>(line), 0, 1);
   }
+}
+
+// The queries, keys and values of (n, key/value head hk) requested into the L2 cache, when they take at most
+// kPrefetchBytes.
+template <typename T, typename Q>
+__attribute__((always_inline)) inline void prefetch_head(const View4<const Q>& q, const View4<const T>& k,
+                                                          const View4<const T>& v, const AttnConfig<T>& cfg, int64_t n,
+                                                          int64_t hk) {
+  const Visible vis = cfg.seq(n);
+  const int64_t g = cfg.group();
+  if (vis.S * (cfg.D + cfg.Dv) * int64_t(sizeof(T)) + g * vis.L * cfg.D * int64_t(sizeof(Q)) > kPrefetchBytes) return;
+  prefetch_rows(k, n, hk, vis.k0, vis.S, cfg.D);
+  prefetch_rows(v, n, hk, vis.k0, vis.S, cfg.Dv);
+  for (int64_t h = hk * g; h < (hk + 1) * g; ++h) prefetch_rows(q, n, h, vis.q0, vis.L, cfg.D);
 }
 
 // Keys per block: 256 halves the forward's per-block work outside the products (rescaling the accumulated rows,
@@ -295,16 +311,8 @@ void forward(const View4<Q>& out, compute_t<T>* logsumexp, const View4<const Q>&
         const Visible vis = cfg.seq(n);
         const int64_t first_row = rg * per_task * bl, end_row = std::min(vis.L, (rg + 1) * per_task * bl);
         if (first_row >= end_row) return;
-        if (head_blocks * row_groups == 1 && task + 1 < cfg.N * tasks_per_n) {  // (kPrefetchBytes)
-          const int64_t n2 = (task + 1) / cfg.Hk, hk2 = (task + 1) % cfg.Hk;
-          const Visible next = cfg.seq(n2);
-          if ((next.S * (cfg.D + cfg.Dv) * int64_t(sizeof(T)) + g * next.L * cfg.D * int64_t(sizeof(Q))) <=
-              kPrefetchBytes) {
-            prefetch_rows(k, n2, hk2, next.k0, next.S, cfg.D);
-            prefetch_rows(v, n2, hk2, next.k0, next.S, cfg.Dv);
-            for (int64_t h = hk2 * g; h < (hk2 + 1) * g; ++h) prefetch_rows(q, n2, h, next.q0, next.L, cfg.D);
-          }
-        }
+        if (head_blocks * row_groups == 1 && task + 1 < cfg.N * tasks_per_n)  // a task a head: the next one's
+          prefetch_head(q, k, v, cfg, (task + 1) / tasks_per_n, (task + 1) % tasks_per_n);
         const int64_t h0 = hk * g + hb * heads_per_block, heads = std::min(heads_per_block, (hk + 1) * g - h0);
         thread_local typename P::Packed kt;               // (D, Bc) k_blk^T
         thread_local typename W::Packed vb;               // (Bc, Dv) v_blk
