@@ -15,7 +15,14 @@
 namespace attnpp::ATTNPP_CPU_NS {
 namespace {
 
-constexpr int64_t kBackwardRows = 64;  // query rows per block of the backward
+// The backward's blocks: kBackwardRows query rows against kBackwardKeys keys (128 under a window: key_block). Each key
+// block walks every row block that sees it, reading its queries, output gradients and rows of dq again: larger blocks
+// read them less often, and on the causal diagonal the chunks (kDiagonalRows, below) keep the hidden part computed
+// small at any size. Against 64 rows x 128 keys (causal) and x 256 (not), AMD Zen 3 at AVX2, medians of 5 to 21 calls
+// alternating in one process: causal (1,32,8192,128) 0.93 of the time, (1,32,4096,128) 0.94, (1,12,4096,64) 0.95,
+// (1,12,1024,64) 0.97, (8,12,256,64) 0.97; not causal 0.97 to 0.99. Blocks of 64 rows x 64 keys took 1.25 times the
+// time, of 64 rows x 192 or 256 keys 0.93 to 1.01.
+constexpr int64_t kBackwardRows = 96, kBackwardKeys = 192;
 // Query rows per task of the forward and the weights: each task packs every key block it sees, so that copy is
 // amortized over this many rows (64 rows: 15% of the forward's time at AVX2; 256, as PyTorch's CPU flash
 // attention for long sequences: 4%).
@@ -94,16 +101,19 @@ __attribute__((always_inline)) inline void prefetch_head(const View4<const Q>& q
 
 // Keys per block: 256 halves the forward's per-block work outside the products (rescaling the accumulated rows,
 // packing) against 128 (sdpa fwd (1,12,1024,64) against PyTorch at AVX2: 0.96 -> 1.01); 128 under a window, and
-// under the causal mask unless the caller takes `edge_blocks` of kEdgeKeys on the diagonal (the forward): the
-// blocks on the edges compute their hidden part too. The forward takes 512 where the block's keys and values fit
+// for the weights (sdpa_weights) under the causal mask: their blocks on the edges compute their hidden part too. The
+// forward takes blocks of kEdgeKeys on the causal diagonal, and 512 elsewhere where the block's keys and values fit
 // in kForwardPack elements (D = Dv = 64), halving that work again (AMD Zen 3 at AVX2: (1,12,4096,64) causal 6%
 // faster, (1,12,1024,64) 1-3%); at D = 128, whose blocks of 512 outgrew its 512 KiB L2 cache, they were 5% slower.
+// The backward takes kBackwardKeys.
 constexpr int64_t kForwardPack = int64_t(1) << 16;
+enum class Pass { forward, backward, weights };
 template <typename T>
-int64_t key_block(const AttnConfig<T>& cfg, bool edge_blocks = false) {
-  const bool window = cfg.window_left >= 0 || cfg.window_right >= 0;
-  if (window || (cfg.causal != Causal::none && !edge_blocks)) return 128;
-  return edge_blocks && 512 * (cfg.D + cfg.Dv) <= kForwardPack ? 512 : 256;
+int64_t key_block(const AttnConfig<T>& cfg, Pass pass) {
+  if (cfg.window_left >= 0 || cfg.window_right >= 0) return 128;
+  if (pass == Pass::backward) return kBackwardKeys;
+  if (pass == Pass::weights && cfg.causal != Causal::none) return 128;
+  return pass == Pass::forward && 512 * (cfg.D + cfg.Dv) <= kForwardPack ? 512 : 256;
 }
 
 // A block of query rows of sequence n: heads [h0, h0 + heads) x queries [i0, i0 + rows), row r being head
@@ -280,7 +290,7 @@ void forward(const View4<Q>& out, compute_t<T>* logsumexp, const View4<const Q>&
              const View4<const T>& v, const AttnConfig<T>& cfg) {
   using C = compute_t<T>;
   // bl: rows per task; bs: keys per block (the causal diagonal takes edge blocks, below)
-  const int64_t bl = kForwardRows, bs = key_block(cfg, true);
+  const int64_t bl = kForwardRows, bs = key_block(cfg, Pass::forward);
   const int64_t g = cfg.group();
   // One task: a block of query rows of (n, key/value head) for some of the group's query heads. Short sequences:
   // the heads' rows stacked into one block of rows for the products (`stacked`: a decoding step's single rows need
@@ -480,7 +490,7 @@ void backward(const View4<T>& dq, const View4<T>& dk, const View4<T>& dv, comput
   // the error of PyTorch's float32-internal math backend). Summed in a fixed order, so results are reproducible,
   // and with mul_add, as the products sum dP: where a row sees one key, dP - delta is exactly 0.
   const bool delta_from_blocks = is_half<T> && !cfg.flash_numerics;
-  const int64_t bs = key_block(cfg), g = cfg.group();
+  const int64_t bs = key_block(cfg, Pass::backward), g = cfg.group();
   std::vector<C> dsink_nh(cfg.sinks && dsinks ? cfg.N * cfg.Hq : 0);  // each (n, h)'s share of the sinks' gradient
   // One thread owns a (n, key/value head) pair: it alone writes that pair's dk, dv and, since each query head
   // belongs to one key/value head, its query heads' dq. Each is summed in the compute type (dq over the task, dk and
@@ -639,7 +649,8 @@ void sdpa_weights(T* weights, const compute_t<T>* logsumexp, const View4<const T
                   const AttnConfig<T>& cfg, bool average_heads) {
   using C = compute_t<T>;
   using P = BlockProducts<T>;  // (the weights are for inspection: computed in the compute type)
-  const int64_t bs = key_block(cfg), q_blocks = ceil_div(cfg.L, kForwardRows), k_blocks = ceil_div(cfg.S, bs);
+  const int64_t bs = key_block(cfg, Pass::weights), q_blocks = ceil_div(cfg.L, kForwardRows);
+  const int64_t k_blocks = ceil_div(cfg.S, bs);
   const int64_t heads_out = average_heads ? 1 : cfg.Hq;
   parallel_for(
       cfg.N * heads_out * q_blocks, cfg.work(),

@@ -47,8 +47,9 @@ from helpers import (DTYPES, HYPOTHESIS_EXAMPLES, LARGEST, TOL, T, assert_close,
 from helpers import attention_layer_reference as torch_attention  # nn.Attention's math in PyTorch
 
 EPS = {np.dtype(np.float64): 2.0**-52, np.dtype(np.float32): 2.0**-23}
-# sizes that cross the kernel's block boundaries (64 queries x 128 keys)
-BIG_SIZES = [63, 64, 65, 127, 128, 129, 130, 200, 255, 256, 257, 300]  # the kernel's blocks: 64, 256
+# sizes that cross the kernel's block boundaries: the forward's 256 queries x 64, 128, 256 or 512 keys, the
+# backward's 96 queries x 192 keys (cpp/attention.cpp)
+BIG_SIZES = [63, 64, 65, 95, 96, 97, 127, 128, 129, 130, 191, 192, 193, 200, 255, 256, 257, 300]
 # float32: attnpp's error may be this many times PyTorch's own float32 error (both against PyTorch in float64)
 F32_FACTOR = 4
 
