@@ -19,9 +19,9 @@ namespace {
 // block walks every row block that sees it, reading its queries, output gradients and rows of dq again: larger blocks
 // read them less often, and on the causal diagonal the chunks (kDiagonalRows, below) keep the hidden part computed
 // small at any size. Against 64 rows x 128 keys (causal) and x 256 (not), AMD Zen 3 at AVX2, medians of 5 to 21 calls
-// alternating in one process: causal (1,32,8192,128) 0.93 of the time, (1,32,4096,128) 0.94, (1,12,4096,64) 0.95,
-// (1,12,1024,64) 0.97, (8,12,256,64) 0.97; not causal 0.97 to 0.99. Blocks of 64 rows x 64 keys took 1.25 times the
-// time, of 64 rows x 192 or 256 keys 0.93 to 1.01.
+// alternating in one process: causal (1,32,8192,128) 0.93 of the time, (1,32,4096,128) 0.91 and 0.94, (1,12,4096,64)
+// 0.95, (1,12,1024,64) 0.97, (8,12,256,64) 0.97; not causal 0.97 to 0.99. Blocks of 64 rows x 64 keys took 1.25 times
+// the time, of 64 rows x 192 or 256 keys 0.93 to 1.01.
 constexpr int64_t kBackwardRows = 96, kBackwardKeys = 192;
 // Query rows per task of the forward and the weights: each task packs every key block it sees, so that copy is
 // amortized over this many rows (64 rows: 15% of the forward's time at AVX2; 256, as PyTorch's CPU flash
