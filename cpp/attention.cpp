@@ -32,10 +32,11 @@ constexpr int64_t kForwardRows = 256;
 // the task's keys packed once (up to kSharedPack elements of K and V: they stay in the L2 cache).
 constexpr int64_t kWindowRows = 64, kSharedPack = int64_t(1) << 17;
 // Elsewhere a task takes several row blocks when that leaves this many tasks a thread, and packs their keys once
-// when there are at most kHeadPack elements of K and V (8 MiB in float: a whole head of (1, 12, 16384, 64) or of
-// (1, 32, 8192, 128); AMD Zen 3 at AVX2: their causal forwards 6% and 5-9% faster than at 4 MiB, where each row
-// block packed every key block it saw; at 16 MiB, (1, 12, 32768, 64) and (1, 32, 16384, 128) gained 0-2%).
-constexpr int64_t kTasksPerThread = 4, kHeadPack = int64_t(1) << 21;
+// when there are at most kHeadPack elements of K and V (16 MiB in float: a whole head of (1, 12, 32768, 64) or of
+// (1, 32, 16384, 128); AMD Zen 3 at AVX2: at 8 MiB, (1, 12, 16384, 64) and (1, 32, 8192, 128) causal 6% and 5-9%
+// faster than at 4 MiB, where each row block packed every key block it saw; at 16 MiB, (1, 12, 32768, 64) and
+// (1, 32, 16384, 128) 2-9% faster than at 8 MiB, median of paired calls 3-4%).
+constexpr int64_t kTasksPerThread = 4, kHeadPack = int64_t(1) << 22;
 // Keys per block of the forward where they are hidden from some of the block's rows (the causal diagonal): the
 // hidden part computed shrinks with the block (at (1,12,2048,64) causal, blocks of 128 computed 6% more than the
 // visible scores; of 64, 3%). A multiple of every product's panel width.
