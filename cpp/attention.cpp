@@ -21,7 +21,9 @@ namespace {
 // small at any size. Against 64 rows x 128 keys (causal) and x 256 (not), AMD Zen 3 at AVX2, medians of 5 to 21 calls
 // alternating in one process: causal (1,32,8192,128) 0.93 of the time, (1,32,4096,128) 0.91 and 0.94, (1,12,4096,64)
 // 0.95, (1,12,1024,64) 0.97, (8,12,256,64) 0.97; not causal 0.97 to 0.99. Blocks of 64 rows x 64 keys took 1.25 times
-// the time, of 64 rows x 192 or 256 keys 0.93 to 1.01.
+// the time, of 64 rows x 192 or 256 keys 0.93 to 1.01. AMD Zen 5, the same way: at AVX-512 causal (1,32,4096,128)
+// 0.91 of the time, (1,12,4096,64) 0.97, (1,12,1024,64) 0.96, but (8,12,256,64) 1.05; not causal 1.00 to 1.01; at
+// AVX2 causal 0.96, 0.98 and 1.00 ((8,12,256,64)), not causal 0.99.
 constexpr int64_t kBackwardRows = 96, kBackwardKeys = 192;
 // Query rows per task of the forward and the weights: each task packs every key block it sees, so that copy is
 // amortized over this many rows (64 rows: 15% of the forward's time at AVX2; 256, as PyTorch's CPU flash
@@ -35,7 +37,8 @@ constexpr int64_t kWindowRows = 64, kSharedPack = int64_t(1) << 17;
 // when there are at most kHeadPack elements of K and V (16 MiB in float: a whole head of (1, 12, 32768, 64) or of
 // (1, 32, 16384, 128); AMD Zen 3 at AVX2: at 8 MiB, (1, 12, 16384, 64) and (1, 32, 8192, 128) causal 6% and 5-9%
 // faster than at 4 MiB, where each row block packed every key block it saw; at 16 MiB, (1, 12, 32768, 64) and
-// (1, 32, 16384, 128) 2-9% faster than at 8 MiB, median of paired calls 3-4%).
+// (1, 32, 16384, 128) 2-9% faster than at 8 MiB, median of paired calls 3-4%; AMD Zen 5: 2-6% at AVX-512, 0-1% at
+// AVX2).
 constexpr int64_t kTasksPerThread = 4, kHeadPack = int64_t(1) << 22;
 // Keys per block of the forward where they are hidden from some of the block's rows (the causal diagonal): the
 // hidden part computed shrinks with the block (at (1,12,2048,64) causal, blocks of 128 computed 6% more than the
