@@ -40,18 +40,23 @@ constexpr int64_t kWindowRows = 64, kSharedPack = int64_t(1) << 17;
 // (1, 32, 16384, 128) 2-9% faster than at 8 MiB, median of paired calls 3-4%; AMD Zen 5: 2-6% at AVX-512, 0-1% at
 // AVX2).
 constexpr int64_t kTasksPerThread = 4, kHeadPack = int64_t(1) << 22;
-// Keys per block of the forward where they are hidden from some of the block's rows (the causal diagonal): the
-// hidden part computed shrinks with the block (at (1,12,2048,64) causal, blocks of 128 computed 6% more than the
-// visible scores; of 64, 3%). A multiple of every product's panel width.
-constexpr int64_t kEdgeKeys = 64;
+// Keys per block of the forward where they are hidden from some of the block's rows (the causal diagonal, a window's
+// right end). The chunks below keep the hidden part computed the same at any width, so the diagonal of a block of
+// kForwardRows rows is one block: each row's maximum, exponentials and rescaling of its output run once over its
+// keys there, not once per 64 keys (the width before; against it, AMD Zen 5, medians of 11 to 101 calls alternating
+// in one process, causal: (8,12,256,64) 0.93 to 0.96 of the time at AVX-512 and 0.97 at AVX2, (1,12,1024,64) 0.97
+// to 0.98 and 0.99, (1,12,4096,64) 0.98 and 0.98 to 0.99, (1,32,2048,128) 1.00 and 1.00 to 1.01). A multiple of
+// every product's panel width.
+constexpr int64_t kEdgeKeys = 256;
 // In such a block the rows that see only its first keys go kDiagonalRows at a time, each chunk over the block's
 // first columns up to its last row's last key, rounded up to kDiagonalCols (a multiple of every level's vector
-// width, and even for bfloat16 pairs): a 64-key block on the causal diagonal then computes 2,560 of its 4,096
-// scores (2,080 visible), and takes the exponential and the maximum over those alone. The (8,12,256,64) causal
-// forward's time went to 0.95 of what it was at AVX-512, 0.89 at AVX2 and 0.88 at the baseline ((1,12,1024,64)
-// causal: 0.96 to 0.99). The backward's row blocks take the same chunks: its forward + backward 0.97 at AVX-512 and
-// 0.95 at AVX2 ((1,12,1024,64) causal: 0.98); chunks of 32 were 1 to 2% slower than 16. There dk and dv then sum a
-// block's rows chunk by chunk, which rounds them differently (float32: up to 6e-7 of the largest gradient).
+// width, and even for bfloat16 pairs): a 256-key block on the causal diagonal then computes 34,816 of its 65,536
+// scores (32,896 visible), and takes the exponential and the maximum over those alone. With blocks of 64 keys, the
+// chunks took the (8,12,256,64) causal forward's time to 0.95 of what it was at AVX-512, 0.89 at AVX2 and 0.88 at
+// the baseline ((1,12,1024,64) causal: 0.96 to 0.99). The backward's row blocks take the same chunks: its forward +
+// backward 0.97 at AVX-512 and 0.95 at AVX2 ((1,12,1024,64) causal: 0.98); chunks of 32 were 1 to 2% slower than 16.
+// There dk and dv then sum a block's rows chunk by chunk, which rounds them differently (float32: up to 6e-7 of the
+// largest gradient).
 constexpr int64_t kDiagonalRows = 16, kDiagonalCols = 16;
 
 // The next chunk of query rows [c0, end) against the key block [j0, j0 + cols): rows [c0, .end) over the block's
