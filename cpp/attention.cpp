@@ -42,12 +42,12 @@ constexpr int64_t kWindowRows = 64, kSharedPack = int64_t(1) << 17;
 constexpr int64_t kTasksPerThread = 4, kHeadPack = int64_t(1) << 22;
 // Keys per block of the forward where they are hidden from some of the block's rows (the causal diagonal, a window's
 // right end). The chunks below keep the hidden part computed the same at any width, so the diagonal of a block of
-// kForwardRows rows is one block: each row's maximum, exponentials and rescaling of its output run once over its
+// kForwardRows rows (256) is one block: each row's maximum, exponentials and rescaling of its output run once over its
 // keys there, not once per 64 keys (the width before; against it, AMD Zen 5, medians of 11 to 101 calls alternating
 // in one process, causal: (8,12,256,64) 0.93 to 0.96 of the time at AVX-512 and 0.97 at AVX2, (1,12,1024,64) 0.97
 // to 0.98 and 0.99, (1,12,4096,64) 0.98 and 0.98 to 0.99, (1,32,2048,128) 1.00 and 1.00 to 1.01). A multiple of
 // every product's panel width.
-constexpr int64_t kEdgeKeys = 256;
+constexpr int64_t kEdgeKeys = kForwardRows;
 // In such a block the rows that see only its first keys go kDiagonalRows at a time, each chunk over the block's
 // first columns up to its last row's last key, rounded up to kDiagonalCols (a multiple of every level's vector
 // width, and even for bfloat16 pairs): a 256-key block on the causal diagonal then computes 34,816 of its 65,536
