@@ -3,6 +3,7 @@
 
 #include "attention.hpp"
 #include "linear.hpp"
+#include "peak.hpp"
 #include "rotary.hpp"
 #include "training.hpp"
 
@@ -22,6 +23,7 @@ constexpr Kernels<T> table() {
 
 }  // namespace
 
-extern const KernelSet kernels = {table<float>(), table<double>(), table<bfloat16>(), table<float16>(), &dropout_mask};
+extern const KernelSet kernels = {table<float>(), table<double>(), table<bfloat16>(), table<float16>(), &dropout_mask,
+                                   &multiply_add_peak};
 
 }  // namespace attnpp::ATTNPP_CPU_NS

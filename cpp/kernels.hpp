@@ -64,6 +64,7 @@ struct KernelSet {
   Kernels<bfloat16> bf16;
   Kernels<float16> f16;
   void (*dropout_mask)(bool* keep, int64_t n, double p, uint64_t seed);
+  double (*multiply_add_peak)(int64_t steps);  // (peak.hpp)
 };
 
 // Each level's table (kernels.cpp, compiled once per level).

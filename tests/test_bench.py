@@ -42,6 +42,10 @@ SGEMM = re.compile(rf"^sgemm float32 (\d+)x\1 @ \1x\1 on (\d+) threads \(median 
                    rf">= 85%\)$",
                    re.MULTILINE)
 
+PEAK = re.compile(rf"^multiply-add peak at (\S+) on (\d+) threads \(independent float multiply-adds, nothing loaded, "
+                  rf"median of \d+\): {NUMBER} GFLOP/s \| attnpp sdpa fwd over (\d+) cases: best {NUMBER} GFLOP/s = "
+                  rf"(\d+)% of it, median {NUMBER} GFLOP/s = (\d+)%$", re.MULTILINE)
+
 
 def run(*args, bench=BENCH, **kwargs):
     return subprocess.run(bench + list(args), capture_output=True, text=True, timeout=600, **kwargs)
@@ -86,7 +90,7 @@ def test_quick_run_prints_a_ratio_for_every_case(quick):
     for name in names:
         assert name in rows, f"no row for {name!r} in:\n{quick}"
         if name in skipped:
-            assert rows[name][1:] == ["skipped", "skipped", "-", "-", "-", "-", "-"], rows[name]
+            assert rows[name][1:] == ["skipped", "skipped", "-", "-", "-", "-", "-", "-"], rows[name]
             assert skipped[name].startswith("--quick does not compile FlexAttention"), skipped[name]
         else:
             assert RATIO.match(rows[name][3]), f"no ratio in the row of {name!r}: {rows[name]}"
@@ -172,6 +176,28 @@ def test_sgemm_line_sets_the_attention_forward_against_the_sgemm_rate(quick):
         assert low - 0.5 <= int(pct) <= high + 0.5, (gflops, pct, torch_rate)
 
 
+def test_peak_line_sets_the_attention_against_the_multiply_add_peak(quick):
+    # the peak of attnpp's level on the run's threads, above every GFLOP/s of the table (no kernel passes it), and
+    # each row's share of it from the row's own figure
+    found = PEAK.search(quick)
+    assert found, f"no peak line in:\n{quick}"
+    level, threads, peak, cases, best, best_pct, median, median_pct = found.groups()
+    assert level == attnpp.cpu_capability() and int(threads) == os.cpu_count()
+    rows = table_rows(quick)
+    measured = {name: cells for name, cells in rows.items() if re.fullmatch(r"\d+\.\d", cells[4])}
+    assert max(float(cells[4]) for cells in measured.values()) < float(peak), (peak, measured)
+    shown = {name: cells for name, cells in measured.items() if cells[6] != "-"}
+    # (bfloat16 at avx512_bf16 has none: its pairs are not float multiply-adds)
+    assert len(shown) == len(measured) - (sum("bfloat16" in name for name in measured)
+                                          if attnpp.cpu_capability() == "avx512_bf16" else 0)
+    figures = [(cells[4], cells[6][:-1]) for cells in shown.values()] + [(best, best_pct), (median, median_pct)]
+    for gflops, pct in figures:
+        low = 100 * (float(gflops) - 0.05) / (float(peak) + 0.05)
+        high = 100 * (float(gflops) + 0.05) / (float(peak) - 0.05)
+        assert low - 0.5 <= int(pct) <= high + 0.5, (gflops, pct, peak)
+    assert int(cases) == 6  # (the sgemm line's: test_sgemm_line_sets_...)
+
+
 @pytest.mark.parametrize("level, forced, bfloat16_share", [("avx512_bf16", False, 0.125), ("avx2", False, 0.5),
                                                           ("default", True, 50 / 90)])
 def test_gemm_share_sets_each_dtype_against_its_product(level, forced, bfloat16_share):
@@ -188,7 +214,8 @@ def test_gemm_share_sets_each_dtype_against_its_product(level, forced, bfloat16_
         assert bench.gemm_share(result, rates, products) == share
     no_flops = bench.Result(bench.Case("MultiheadAttention", build=None), times=([1.0], [1.0]), calls=(1, 1),
                             memory=(None, None))
-    assert bench.gemm_share(no_flops, rates, products) is None and bench.row(no_flops, rates)[4:6] == ["-", "-"]
+    assert bench.gemm_share(no_flops, rates, products) is None
+    assert bench.row(no_flops, rates, 400.0)[4:7] == ["-", "-", "-"]
 
 
 def test_the_float32_limit_is_the_faster_sgemm_unless_a_level_is_forced():
@@ -233,13 +260,16 @@ def test_numpy_sgemm_runs_at_the_core_type_of_attnpp_level(monkeypatch):
 
 
 def test_table_row_shows_the_share_of_this_process_limit():
+    # of the GEMM rate of the case's arithmetic, and of the multiply-add peak where that arithmetic is float's (not
+    # bfloat16 pairs at avx512_bf16)
     from attnpp import bench
     rates = {"PyTorch": 100.0, "NumPy": 90.0, "PyTorch bfloat16": 400.0}
     for dtype in ("float32", "bfloat16"):
         case = bench.Case(f"sdpa fwd x {dtype}", build=None, flops=50e9, dtype=dtype)
         result = bench.Result(case, times=([1.0] * 3, [2.0] * 3), calls=(1, 1), memory=(None, None))
-        limit = rates[bench.gemm_products(rates=rates)["bfloat16" if dtype == "bfloat16" else "float32"]]
-        assert bench.row(result, rates)[4:6] == ["50.0", f"{50 / limit:.0%}"]
+        product = bench.gemm_products(rates=rates)["bfloat16" if dtype == "bfloat16" else "float32"]
+        of_peak = "-" if product == "PyTorch bfloat16" else "25%"
+        assert bench.row(result, rates, 200.0)[4:7] == ["50.0", f"{50 / rates[product]:.0%}", of_peak]
 
 
 def test_sgemm_line_figures():
@@ -425,7 +455,51 @@ def test_target_line_figures():
     skipped = bench.Skipped(bench.Case("window fwd y vs FlexAttention", build=None, target=1.5), "no compiler")
     assert bench.target_line(skipped) == ("target window fwd y vs FlexAttention: not measured (skipped), issue 14's "
                                           "target >= 1.5")
-    assert bench.row(skipped, {}) == ["window fwd y vs FlexAttention", "skipped", "skipped", "-", "-", "-", "-", "-"]
+    assert bench.row(skipped, {}, 100.0) == ["window fwd y vs FlexAttention", "skipped", "skipped"] + ["-"] * 6
+    # a missed target with a flop count: what it asks of attnpp against PyTorch's median time, and of the peak
+    case = bench.Case("sdpa fwd z", build=None, flops=60e9, target=1.5, issue=37)
+    missed = bench.Result(case, times=([1.0] * 3, [1.2, 1.0, 0.8]), calls=(1, 1), memory=(None, None))
+    rates = {"PyTorch": 100.0, "NumPy": 90.0}
+    assert bench.target_line(missed, rates, 120.0) == (
+        "target sdpa fwd z: ratio 1.00, issue 37's target >= 1.5: NOT met (67% of it); it asks 90.0 GFLOP/s of "
+        "attnpp, 75% of the multiply-add peak")
+    met = bench.Result(case, times=([0.5] * 3, [1.0] * 3), calls=(1, 1), memory=(None, None))
+    assert bench.target_line(met, rates, 120.0).endswith("target >= 1.5: met")
+
+
+def test_peak_line_figures():
+    # the same forward cases as the sgemm line's, against the peak
+    from attnpp import bench
+
+    def result(name, gflops, vs_sgemm):
+        case = bench.Case(name, build=None, flops=gflops * 1e9, vs_sgemm=vs_sgemm)
+        return bench.Result(case, times=([1.0] * 3, [2.0] * 3), calls=(1, 1), memory=(None, None))
+
+    results = [result("fwd a", 10, True), result("fwd b", 40, True), result("fwd+bwd", 100, False),
+               result("fwd c", 20, True)]
+    head = (f"multiply-add peak at {attnpp.cpu_capability()} on {attnpp.get_num_threads()} threads (independent float "
+            "multiply-adds, nothing loaded, median of 5): 160.0 GFLOP/s | ")
+    assert bench.peak_line(results, 160.0) == head + ("attnpp sdpa fwd over 3 cases: best 40.0 GFLOP/s = 25% of it, "
+                                                      "median 20.0 GFLOP/s = 12%")
+    assert PEAK.search(bench.peak_line(results, 160.0))
+    assert bench.peak_line(results[2:3], 160.0) == head + "attnpp sdpa fwd: no such case in this run (see --cases)"
+
+
+def test_multiply_add_peak_counts_its_flops_and_refuses_no_steps():
+    # flops = 2 x the floats of the accumulators x steps x 8 tasks a thread: twice the steps, twice the flops, on
+    # any thread count
+    from attnpp import _core
+    threads = attnpp.get_num_threads()
+    try:
+        for n in (1, 2):
+            attnpp.set_num_threads(n)
+            one, two = _core.multiply_add_peak(100), _core.multiply_add_peak(200)
+            assert two == 2 * one and one % (2 * 100 * 8 * n) == 0
+            assert one // (2 * 100 * 8 * n) in (56, 112, 480)  # (14 vectors of 4 floats, 14 of 8, 30 of 16)
+    finally:
+        attnpp.set_num_threads(threads)
+    with pytest.raises(ValueError, match="steps must be >= 1, got 0"):
+        _core.multiply_add_peak(0)
 
 
 def _variant_case(name_start):
@@ -624,14 +698,18 @@ def test_json_writes_the_machine_and_every_case_as_the_table_shows_it(tmp_path):
         assert row[3] == f"{case['ratio']['median']:.2f} [{case['ratio']['iqr'][0]:.2f}-{case['ratio']['iqr'][1]:.2f}]"
         assert row[4] == f"{case['attnpp_gflops']:.1f}"
         assert row[5] == f"{case['gemm_share']:.0%}"  # of the sgemm rate (float32 cases)
+        assert row[6] == f"{case['peak_share']:.0%}"
+        assert np.isclose(case["peak_share"], case["attnpp_gflops"] / data["peak"]["gflops"], rtol=1e-12)
         limit = data["sgemm"]["limits"]["float32"]  # (not forced here: the faster sgemm)
         assert limit == max(("PyTorch", "NumPy"), key=data["sgemm"]["gflops"].get)
         assert np.isclose(case["gemm_share"], case["attnpp_gflops"] / data["sgemm"]["gflops"][limit], rtol=1e-12)
-        assert [row[6], row[7]] == [f"{case[s]['memory_mib']:.1f}" for s in ("attnpp", "torch")] or \
+        assert [row[7], row[8]] == [f"{case[s]['memory_mib']:.1f}" for s in ("attnpp", "torch")] or \
             case["attnpp"]["memory_mib"] is None
         if case["name"].startswith("memory"):
             assert case["line"] in result.stdout.splitlines() and "attnpp temporaries" in case["line"]
     assert data["sgemm"]["n"] == 256 and data["sgemm"]["gflops"]["PyTorch"] > 0
+    assert data["peak"]["level"] == attnpp.cpu_capability() and data["peak"]["threads"] == os.cpu_count()
+    assert f"{data['peak']['gflops']:.1f} GFLOP/s |" in PEAK.search(result.stdout).group(0)
 
     # the peers: their versions, a line for each one missing, and on the forward cases their figures as the peers'
     # table shows them

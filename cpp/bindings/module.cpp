@@ -500,6 +500,12 @@ void set_num_threads(int64_t n) {
 
 std::string cpu_capability() { return cpu_level().name; }
 
+double multiply_add_peak(int64_t steps) {
+  if (steps < 1) throw py::value_error("multiply_add_peak: steps must be >= 1, got " + std::to_string(steps));
+  py::gil_scoped_release release;
+  return cpu_level().kernels->multiply_add_peak(steps);
+}
+
 py::dict build_config() {
   py::list levels, supported;
   for (const auto& l : cpu_levels()) {
@@ -682,6 +688,11 @@ PYBIND11_MODULE(_core, m) {
   m.def("cpu_capability", &cpu_capability,
         "The CPU level the kernels run at: 'default', 'avx2', 'avx512' or 'avx512_bf16' (all but the first on "
         "x86-64 only).");
+  m.def("multiply_add_peak", &multiply_add_peak,
+        "Runs `steps` float multiply-adds on each of 14 independent vector accumulators (30 with AVX-512), 8 tasks "
+        "a thread, nothing loaded, and returns the flops done: flops / seconds is the level's peak on these threads "
+        "(attnpp.bench).",
+        py::arg("steps"));
   m.def("build_config", &build_config,
         "The build: dict of cpu_capability, levels_built, levels_supported, compiler, flags, eigen, threading, "
         "half_precision (how the level computes in it), cpu_half_features (F16C, AVX512_BF16, AVX512_FP16, "

@@ -81,17 +81,18 @@ def render(data, name):
            f"| run | {run['repeats']} alternating pairs per case{', --quick sizes' if run['quick'] else ''} |"]
     if m.get("note"):
         out.append(f"| note | {cell(m['note'])} |")
-    out += ["", "| case | attnpp | PyTorch | ratio [IQR] | attnpp GFLOP/s | % of GEMM | attnpp MiB | PyTorch MiB | "
-            "target |", "|---|---:|---:|---:|---:|---:|---:|---:|---|"]
+    out += ["", "| case | attnpp | PyTorch | ratio [IQR] | attnpp GFLOP/s | % of GEMM | % of peak | attnpp MiB | "
+            "PyTorch MiB | target |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
     for case in data["cases"]:
         if "skipped" in case:
-            out.append(f"| {cell(case['name'])} | skipped | skipped | | | | | | {target(case)} |")
+            out.append(f"| {cell(case['name'])} | skipped | skipped | | | | | | | {target(case)} |")
             continue
         gflops = "" if case["attnpp_gflops"] is None else f"{case['attnpp_gflops']:.1f}"
-        share = "" if case.get("gemm_share") is None else f"{case['gemm_share']:.0%}"
+        share, of_peak = ("" if case.get(k) is None else f"{case[k]:.0%}" for k in ("gemm_share", "peak_share"))
         memory = ["n/a" if case[s]["memory_mib"] is None else f"{case[s]['memory_mib']:.1f}" for s in ("attnpp", "torch")]
         out.append(f"| {cell(case['name'])} | {side_time(case, 'attnpp')} | {side_time(case, 'torch')} | "
-                   f"{ratio_cell(case['ratio'])} | {gflops} | {share} | {memory[0]} | {memory[1]} | {target(case)} |")
+                   f"{ratio_cell(case['ratio'])} | {gflops} | {share} | {of_peak} | {memory[0]} | {memory[1]} | "
+                   f"{target(case)} |")
     out += peers_table(data)
     notes = [f"skipped {c['name']}: {c['skipped']}" for c in data["cases"] if "skipped" in c]
     notes += (data.get("peers") or {}).get("missing", [])
@@ -101,6 +102,10 @@ def render(data, name):
     limits = sgemm.get("limits", {"float32": "PyTorch", "bfloat16": "PyTorch bfloat16"})
     notes.append(f"sgemm {sgemm['n']}^3 in the same run: {rates} ({sgemm['numpy_threads']}); % of GEMM: of "
                  f"{limits['float32']}'s float32 rate, bfloat16 cases of {limits['bfloat16']}'s")
+    if data.get("peak"):  # (files since the multiply-add peak came: results.py)
+        peak = data["peak"]
+        notes.append(f"multiply-add peak at {peak['level']} on {peak['threads']} threads in the same run: "
+                     f"{peak['gflops']:.1f} GFLOP/s; % of peak: of it")
     out += [""] + [f"- {html.escape(line)}" for line in notes]
     return "\n".join(out)
 

@@ -24,6 +24,11 @@ def build_config() -> Dict[str, Any]:
     half_precision (how the level computes in it), cpu_half_features (F16C, AVX512_BF16, AVX512_FP16, AMX-BF16 when
     the CPU has them)."""
 
+def multiply_add_peak(steps: int) -> float:
+    """Runs `steps` float multiply-adds on each of 14 independent vector accumulators (30 with AVX-512), 8 tasks a
+    thread, nothing loaded, and returns the flops done: flops / seconds is the level's peak on these threads
+    (attnpp.bench)."""
+
 def set_num_threads(n: int) -> None:
     """Set the number of threads the kernels use, n in [1, 256]."""
 

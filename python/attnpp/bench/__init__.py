@@ -90,7 +90,12 @@ and weights:
   attnpp's level whatever the environment sets, and NumPy's alone where ``--capability`` forced a level;
   report.gemm_products); a
   line gives the best and median share of the forward cases (``sdpa fwd`` and ``causal-length fwd``; issue 37's
-  target: at least 85%), another the bfloat16 ones.
+  target: at least 85%), another the bfloat16 ones. A BLAS's sgemm is not the machine's limit (attnpp's forward
+  outruns NumPy's on an AMD Zen 3 at AVX2), so ``% of peak`` sets the same GFLOP/s against the multiply-add peak
+  of attnpp's level on the run's threads, measured in the same run (measure.peak_gflops: independent float
+  multiply-adds on every vector register, nothing loaded, cpp/peak.cpp), which no kernel can pass: a line
+  gives the forward cases' best and median share of it, and a target a case missed says what GFLOP/s it asks and
+  their share of the peak.
 - the peers (``--against onnxruntime,openvino``, issue 37; the module ``peers``): ONNX Runtime through the standard
   ONNX ``Attention`` operator (opset 23) and OpenVINO through ``opset13.scaled_dot_product_attention`` on the CPU
   plugin, each on the run's threads, forward only, on the forward cases of the kernel (every dtype), causal-length
@@ -152,11 +157,12 @@ from .cli import main, parse_args
 from .config import SIZES, capability_env
 from .decode_length import decode_length_cases, decode_problem, plain_decode_calls
 from .machine import numpy_level_core, numpy_openblas
-from .measure import growth_mib, measure, numpy_sgemm, numpy_sgemm_gflops, peak_growth_mib, sgemm_gflops
+from .measure import (growth_mib, measure, numpy_sgemm, numpy_sgemm_gflops, peak_gflops, peak_growth_mib,
+                      sgemm_gflops)
 from .peers import ENGINES, Peers, Problem, check_error, reference_rows
 from .registry import FAMILIES, make_cases
-from .report import (bfloat16_gemm_line, gemm_products, gemm_rate, gemm_share, peer_rows, print_report, row,
-                     sgemm_line, target_line)
+from .report import (bfloat16_gemm_line, gemm_products, gemm_rate, gemm_share, peak_line, peak_share, peer_rows,
+                     print_report, row, sgemm_line, target_line)
 from .variants import (compile_first_call, decode_steps, flex_summary, sliding_window, variant_cases, varlen_lengths,
                        varlen_sides, window_calls, window_pairs, window_sides)
 
@@ -166,7 +172,7 @@ __all__ = ["Case", "ENGINES", "FAMILIES", "HelloWorldModel", "PeerResult", "Peer
            "decode_problem", "decode_steps", "flex_summary", "fmt_shape", "fmt_time", "gemm_products", "gemm_rate",
            "gemm_share", "growth_mib", "kernel_calls", "kernel_flops", "kernel_problem", "layer_calls", "main",
            "make_cases", "measure", "mha_calls", "numpy_level_core", "numpy_openblas", "numpy_sgemm",
-           "numpy_sgemm_gflops", "parse_args", "peak_growth_mib", "peer_rows", "plain_decode_calls", "print_report",
-           "random_inputs", "reference_rows", "row", "sdpa_sides", "sgemm_gflops", "sgemm_line", "sliding_window",
-           "target_line", "training_calls", "variant_cases", "varlen_lengths", "varlen_sides", "window_calls",
-           "window_pairs", "window_sides"]
+           "numpy_sgemm_gflops", "parse_args", "peak_gflops", "peak_growth_mib", "peak_line", "peak_share",
+           "peer_rows", "plain_decode_calls", "print_report", "random_inputs", "reference_rows", "row", "sdpa_sides",
+           "sgemm_gflops", "sgemm_line", "sliding_window", "target_line", "training_calls", "variant_cases",
+           "varlen_lengths", "varlen_sides", "window_calls", "window_pairs", "window_sides"]

@@ -19,7 +19,7 @@ import attnpp
 from .case import Skipped, Unavailable
 from .config import MEMORY_PAIRS, MKL_INSTRUCTIONS, SIZES, capability_env
 from .machine import background_load, cpu_seconds
-from .measure import measure, sgemm_gflops
+from .measure import measure, peak_gflops, sgemm_gflops
 from .peers import ENGINES, Peers
 from . import results as results_file
 from .registry import make_cases
@@ -125,16 +125,20 @@ def main(argv=None):
         except Unavailable as missing:  # e.g. the training without tiktoken: the other cases still count
             results.append(Skipped(case, str(missing)))
 
-    # the limit, measured after the cases so that it runs on the same, already warm machine
+    # the limits, measured after the cases so that they run on the same, already warm machine
     print(f"[sgemm] float32 {size['sgemm']}^3 through torch.mm and np.matmul ({time.perf_counter() - start:.0f} s)",
           file=sys.stderr, flush=True)
     rates, numpy_threads = sgemm_gflops(size["sgemm"], size["min_sample"],
                                         bfloat16=gemm_products()["bfloat16"] == "PyTorch bfloat16")
+    print(f"[peak] multiply-add peak at {attnpp.cpu_capability()} ({time.perf_counter() - start:.0f} s)",
+          file=sys.stderr, flush=True)
+    peak = peak_gflops(size["min_sample"])
     load, sgemm = background_load(cpu_before), (size["sgemm"], rates, numpy_threads)
-    print_report(results, repeats, size["min_sample"], args.quick, load, sgemm, peers)
+    print_report(results, repeats, size["min_sample"], args.quick, load, sgemm, peak, peers)
     if args.json:
         results_file.write(args.json, results, argv=argv, quick=args.quick, repeats=repeats,
-                           min_sample=size["min_sample"], load=load, sgemm=sgemm, note=args.note, peers=peers)
+                           min_sample=size["min_sample"], load=load, sgemm=sgemm, peak=peak, note=args.note,
+                           peers=peers)
         print(f"results written to {args.json}", file=sys.stderr)
     print(f"total {time.perf_counter() - start:.0f} s", file=sys.stderr)
 

@@ -73,6 +73,9 @@ MEMORY_PAIRS = 3  # the memory case takes seconds per call: 3 pairs are enough
 CONTEXT_PARALLEL = dict(ranks=2, pairs=3, speed=0.8, memory=0.6, zigzag=0.6)
 SGEMM_SAMPLES = 5  # the sgemm is one reference figure, not a comparison: the median of 5 is stable enough
 SGEMM_TARGET = 0.85  # issue 37's target: attnpp's attention forward at >= 85% of the same run's GEMM rate
+# the multiply-add peak (measure.peak_gflops): steps a task of cpp/peak.cpp's loop (about 0.1 ms at AVX2 on a 3 GHz
+# core), and the least a sample lasts, so that waking the threads is under 0.1% of it
+PEAK_STEPS, PEAK_MIN_SAMPLE = 1 << 15, 0.1
 
 # --capability LEVEL: the environment that loads each library at that level. attnpp and PyTorch (ATen) share the
 # level names; MKL (PyTorch's float products) and oneDNN (its bfloat16 products: torch.mm and the flash

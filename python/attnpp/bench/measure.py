@@ -1,5 +1,5 @@
 """Measurement: the warm-up, the memory of one call (the growth of the peak resident set), the alternating timed
-samples of each case (its peers' in the same rounds) and the GEMM reference rates."""
+samples of each case (its peers' in the same rounds) and the reference rates: the GEMMs' and the multiply-add peak."""
 from __future__ import annotations
 
 import contextlib
@@ -15,9 +15,10 @@ import numpy as np
 import torch
 
 import attnpp
+from attnpp import _core
 
 from .case import Result
-from .config import SGEMM_SAMPLES
+from .config import PEAK_MIN_SAMPLE, PEAK_STEPS, SGEMM_SAMPLES
 from .machine import numpy_level_core
 
 
@@ -202,3 +203,19 @@ def sgemm_gflops(n, min_sample, samples=SGEMM_SAMPLES, bfloat16=True):
     rates = {name: product_gflops(call, n, min_sample, samples) for name, call in sides.items()}
     rates["NumPy"], numpy_threads = numpy_sgemm_gflops(n, min_sample, torch.get_num_threads(), samples)
     return rates, numpy_threads
+
+
+def peak_gflops(min_sample, samples=SGEMM_SAMPLES):
+    """GFLOP/s of the multiply-add peak of attnpp's CPU level on its threads: cpp/peak.cpp's loop of independent
+    float multiply-adds on as many vector accumulators as the registers hold, nothing loaded, the fastest any
+    kernel of the level can multiply and add. The median of ``samples`` samples (a batch lasting at least
+    ``min_sample`` and config.PEAK_MIN_SAMPLE each) after a warm-up call, which also gives the flops of a call.
+
+    The sgemm rates (sgemm_gflops) are a BLAS's, which attnpp's attention forward outruns on some CPUs (AMD Zen 3
+    at AVX2: up to 110% of NumPy's sgemm); this one no kernel can, so the share of it says how far from the
+    machine's limit a case runs, and what a target ratio would ask of it (report.target_line)."""
+    call = lambda: _core.multiply_add_peak(PEAK_STEPS)
+    start = time.perf_counter()
+    flops = call()
+    calls = calibrate(call, max(min_sample, PEAK_MIN_SAMPLE), time.perf_counter() - start)
+    return flops / np.median([sample(call, calls) for _ in range(samples)]) / 1e9

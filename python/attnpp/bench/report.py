@@ -1,5 +1,5 @@
 """The report: the header (setup and method), the table, the peers' table (--against), the cases' own lines, the
-targets and the GEMM lines."""
+targets, the GEMM lines and the multiply-add peak's."""
 from __future__ import annotations
 
 import os
@@ -53,6 +53,17 @@ def gemm_share(result, rates, products=None):
     return None if gflops is None else gflops / gemm_rate(result.case.dtype, rates, products)
 
 
+def peak_share(result, rates, peak):
+    """attnpp's GFLOP/s in a case as a share of the run's multiply-add ``peak`` (a fraction; measure.peak_gflops),
+    or None without a flop count, and for a case whose limit is not a float product (bfloat16 at avx512_bf16, whose
+    pairs do twice the flops of a float multiply-add)."""
+    gflops = attnpp_gflops(result)
+    dtype = "bfloat16" if result.case.dtype == "bfloat16" else "float32"
+    if gflops is None or gemm_products(rates=rates)[dtype] == "PyTorch bfloat16":
+        return None
+    return gflops / peak
+
+
 def ratio_quartiles(result, peer=None):
     """25th, 50th and 75th percentiles of the ratios t_PyTorch / t_attnpp, one per alternating pair; with ``peer``
     (a PeerResult of the case), of t_peer / t_attnpp, one per round."""
@@ -66,23 +77,24 @@ def fmt_ratio(quartiles):
     return f"{med:.2f} [{q1:.2f}-{q3:.2f}]"
 
 
-def row(result, rates):
-    """One table row: name, times, ratio [IQR], GFLOP/s and their share of the GEMM rate (``rates``), memory of each
-    side; a skipped case keeps its row."""
+def row(result, rates, peak):
+    """One table row: name, times, ratio [IQR], GFLOP/s and their share of the GEMM rate (``rates``) and of the
+    multiply-add ``peak``, memory of each side; a skipped case keeps its row."""
     if isinstance(result, Skipped):
-        return [result.case.name, "skipped", "skipped", "-", "-", "-", "-", "-"]
+        return [result.case.name, "skipped", "skipped", "-", "-", "-", "-", "-", "-"]
     a, t = (np.asarray(x) for x in result.times)
     # the training shows all its steps (sum of the chunks), the other cases the median call
     shown = [x.sum() * n if result.case.total else np.median(x) for x, n in zip((a, t), result.calls)]
-    share = gemm_share(result, rates)
+    share, of_peak = gemm_share(result, rates), peak_share(result, rates, peak)
     gflops = ["-", "-"] if share is None else [f"{attnpp_gflops(result):.1f}", f"{share:.0%}"]
+    gflops.append("-" if of_peak is None else f"{of_peak:.0%}")
     mem = ["n/a" if m is None else f"{m:.1f}" for m in result.memory]
     return [result.case.name, fmt_time(shown[0]), fmt_time(shown[1]), fmt_ratio(ratio_quartiles(result)), *gflops,
             *mem]
 
 
-HEADER = ["case", "attnpp time", "PyTorch time", "ratio [IQR]", "attnpp GFLOP/s", "% of GEMM", "attnpp MiB",
-          "PyTorch MiB"]
+HEADER = ["case", "attnpp time", "PyTorch time", "ratio [IQR]", "attnpp GFLOP/s", "% of GEMM", "% of peak",
+          "attnpp MiB", "PyTorch MiB"]
 PEER_HEADER = ["case", "peer", "peer time", "peer/attnpp [IQR]", "float64 check", "note"]
 PEER_LEFT = (0, 1, 5)
 
@@ -123,21 +135,34 @@ def capability_line():
     return line
 
 
-def sgemm_line(results, n, rates, numpy_threads):
-    """The distance to the limit: the sgemm rates, and attnpp's attention forward GFLOP/s (best and median over the
-    run's float32 forward cases, as the table shows them) as a share of the sgemm that is the limit
-    (gemm_products)."""
-    line = (f"sgemm float32 {n}x{n} @ {n}x{n} on {torch.get_num_threads()} threads (median of {SGEMM_SAMPLES}): "
-            f"PyTorch {rates['PyTorch']:.1f} GFLOP/s, NumPy {rates['NumPy']:.1f} GFLOP/s ({numpy_threads}) | ")
+def forward_shares(results, rate, of, after=""):
+    """attnpp's attention forward GFLOP/s over the run's forward cases that are set against the sgemm (``sdpa fwd``
+    and ``causal-length fwd``, as the table shows them): their best and median, each as a share of ``rate`` (``of``
+    names it), then ``after``; or a phrase saying the run has no such case."""
     forward = [attnpp_gflops(r) for r in results if isinstance(r, Result) and r.case.vs_sgemm]
     if not forward:
-        return line + "attnpp sdpa fwd: no such case in this run (see --cases)"
+        return "attnpp sdpa fwd: no such case in this run (see --cases)"
     best, median = max(forward), float(np.median(forward))
+    return (f"attnpp sdpa fwd over {len(forward)} cases: best {best:.1f} GFLOP/s = {best / rate:.0%} of {of}, median "
+            f"{median:.1f} GFLOP/s = {median / rate:.0%}{after}")
+
+
+def sgemm_line(results, n, rates, numpy_threads):
+    """The distance to the limit: the sgemm rates, and attnpp's attention forward GFLOP/s (forward_shares) as a
+    share of the sgemm that is the limit (gemm_products)."""
     limit = gemm_products(rates=rates)["float32"]
-    share = lambda gflops: f"{gflops / rates[limit]:.0%}"
-    line += (f"attnpp sdpa fwd over {len(forward)} cases: best {best:.1f} GFLOP/s = {share(best)} of {limit}'s "
-             f"sgemm, median {median:.1f} GFLOP/s = {share(median)} (issue 37's target: >= {SGEMM_TARGET:.0%})")
-    return line
+    return (f"sgemm float32 {n}x{n} @ {n}x{n} on {torch.get_num_threads()} threads (median of {SGEMM_SAMPLES}): "
+            f"PyTorch {rates['PyTorch']:.1f} GFLOP/s, NumPy {rates['NumPy']:.1f} GFLOP/s ({numpy_threads}) | "
+            + forward_shares(results, rates[limit], f"{limit}'s sgemm",
+                             f" (issue 37's target: >= {SGEMM_TARGET:.0%})"))
+
+
+def peak_line(results, peak):
+    """The hard limit: the multiply-add peak of attnpp's level on the run's threads (measure.peak_gflops), and
+    attnpp's attention forward GFLOP/s (forward_shares) as a share of it."""
+    return (f"multiply-add peak at {attnpp.cpu_capability()} on {attnpp.get_num_threads()} threads (independent "
+            f"float multiply-adds, nothing loaded, median of {SGEMM_SAMPLES}): {peak:.1f} GFLOP/s | "
+            + forward_shares(results, peak, "it"))
 
 
 def bfloat16_gemm_line(results, n, rates):
@@ -158,21 +183,28 @@ def bfloat16_gemm_line(results, n, rates):
                    f"{max(forward) / rates[limit]:.0%} of {of}, median {float(np.median(forward)):.1f} GFLOP/s")
 
 
-def target_line(result):
-    """Whether a case with a target ratio met it."""
+def target_line(result, rates=None, peak=None):
+    """Whether a case with a target ratio met it; where it did not and the case has a flop count, the GFLOP/s the
+    target asks of attnpp against PyTorch's median time, and their share of the multiply-add ``peak`` (with
+    ``rates``, the run's GEMM rates: peak_share's cases)."""
     head = f"target {result.case.name}: "
     if isinstance(result, Skipped):
         return head + f"not measured (skipped), issue {result.case.issue}'s target >= {result.case.target}"
     ratio = ratio_quartiles(result)[1]
     verdict = "met" if ratio >= result.case.target else f"NOT met ({ratio / result.case.target:.0%} of it)"
-    return head + f"ratio {ratio:.2f}, issue {result.case.issue}'s target >= {result.case.target}: {verdict}"
+    line = head + f"ratio {ratio:.2f}, issue {result.case.issue}'s target >= {result.case.target}: {verdict}"
+    share = None if peak is None or ratio >= result.case.target else peak_share(result, rates, peak)
+    if share is not None:
+        needed = result.case.flops * result.case.target / np.median(result.times[1]) / 1e9
+        line += f"; it asks {needed:.1f} GFLOP/s of attnpp, {needed / peak:.0%} of the multiply-add peak"
+    return line
 
 
-def print_report(results, repeats, min_sample, quick, load, sgemm, peers=None):
+def print_report(results, repeats, min_sample, quick, load, sgemm, peak, peers=None):
     """The header (setup and method; the peers of ``peers``, a peers.Peers, and a line per engine not installed),
     the table (``results``: a Result or Skipped per case), the peers' table, a line per skipped case, the cases' own
     lines (memory, FlexAttention's compile), the targets met or not, the GEMM lines (``sgemm``: the arguments of
-    sgemm_line after the results) and the note on the ratios."""
+    sgemm_line after the results), the peak's line (``peak``: measure.peak_gflops') and the note on the ratios."""
     print(f"attnpp {attnpp.__version__} vs PyTorch {torch.__version__} (CPU), float32 unless a case names its dtype"
           f"{' (--quick)' if quick else ''}")
     print(f"threads: attnpp {attnpp.get_num_threads()}, PyTorch {torch.get_num_threads()} | repeats: {repeats} "
@@ -188,13 +220,14 @@ def print_report(results, repeats, min_sample, quick, load, sgemm, peers=None):
     n, rates, _ = sgemm
     print("GFLOP/s: attnpp's, FlashAttention's count (forward 4 B H L S D, halved when causal; backward 2.5 times the "
           "forward); % of GEMM: of the same run's GEMM rate in the arithmetic attnpp computes the case in (see the "
-          "GEMM lines)")
+          "GEMM lines); % of peak: of the same run's multiply-add peak, the most any kernel of attnpp's level can do "
+          "(see its line)")
     if peers is not None:
         print(peers.header() if peers.engines else "peers (--against): none installed")
         for line in peers.missing:
             print(line)
     print()
-    print_table([row(r, rates) for r in results])
+    print_table([row(r, rates, peak) for r in results])
     print()
     peer_table = peer_rows(results)
     if peer_table:
@@ -216,8 +249,9 @@ def print_report(results, repeats, min_sample, quick, load, sgemm, peers=None):
         print(f"targets: not judged at --quick sizes ({len(targeted)} cases have one at full size)")
     elif targeted:
         for r in targeted:
-            print(target_line(r))
+            print(target_line(r, rates, peak))
     print(sgemm_line(results, *sgemm))
     print(bfloat16_gemm_line(results, n, rates))
+    print(peak_line(results, peak))
     print("ratio = PyTorch time / attnpp time of each alternating pair (a, t, a, t, ...): median [25th-75th "
           "percentile] over the pairs; above 1: attnpp faster")

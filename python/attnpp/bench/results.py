@@ -10,12 +10,13 @@ One JSON object::
      "cases": [one record per case, in the table's order (case_record)],
      "sgemm": {"n", "gflops": {"PyTorch", "NumPy", "PyTorch bfloat16" (where it is a limit)}, "numpy_threads",
                "limits": {"float32", "bfloat16"}: the names of the gflops the cases' gemm_share are of},
+     "peak": {"gflops": the multiply-add peak (measure.peak_gflops), "level": attnpp's CPU level, "threads"},
      "peers": {"versions": {engine title: version}, "missing": [a line per engine not installed]}, or null without
               --against}
 
 Fields are only ever added (a reader of the first files still reads the new ones): ``gemm_share`` and ``peers`` in
 the case records, the run's ``peers`` and the sgemm's ``limits`` came with issue 37 (a file without ``limits``
-held every case against PyTorch's rates).
+held every case against PyTorch's rates), and later the run's ``peak`` and the cases' ``peak_share``.
 """
 from __future__ import annotations
 
@@ -24,9 +25,11 @@ import json
 
 import numpy as np
 
+import attnpp
+
 from .case import Skipped
 from .machine import describe
-from .report import attnpp_gflops, gemm_products, gemm_share, ratio_quartiles
+from .report import attnpp_gflops, gemm_products, gemm_share, peak_share, ratio_quartiles
 
 FORMAT = "attnpp-bench-results/1"
 
@@ -49,14 +52,14 @@ def peer_record(result, peer):
             "calls_per_sample": int(peer.calls), "ratio": {"median": ratio, "iqr": [r1, r3]}, **check}
 
 
-def case_record(result, rates):
+def case_record(result, rates, peak):
     """One case as data: its name, dtype, target (and the issue that set it), and, if measured, for each side
     ("attnpp", "torch") the median seconds per call with the interquartile range of the samples, the calls per
     sample, the peak memory growth (MiB, None where it cannot be measured), then the ratio t_torch / t_attnpp of the
     alternating pairs (median and quartiles), attnpp's GFLOP/s and their share of the GEMM rate of the case's dtype
-    (``rates``: sgemm_gflops'), whether the target was met, the case's own line under the table, and its peers
-    (peer_record, by engine title; {} without --against). A skipped case has ``"skipped": reason`` instead of the
-    figures."""
+    (``rates``: sgemm_gflops') and of the multiply-add ``peak`` (report.peak_share), whether the target was met,
+    the case's own line under the table, and its peers (peer_record, by engine title; {} without --against). A
+    skipped case has ``"skipped": reason`` instead of the figures."""
     case = result.case
     record = {"name": case.name, "dtype": case.dtype, "target": case.target,
               "issue": case.issue if case.target is not None else None}
@@ -71,26 +74,29 @@ def case_record(result, rates):
             sides[side]["total_s"] = float(np.sum(times)) * calls
     q1, ratio, q3 = (float(v) for v in ratio_quartiles(result))
     line = case.summary(result) if case.summary else ""
-    share = gemm_share(result, rates)
+    share, of_peak = gemm_share(result, rates), peak_share(result, rates, peak)
     return {**record, **sides, "ratio": {"median": ratio, "iqr": [q1, q3]},
             "attnpp_gflops": None if case.flops is None else float(attnpp_gflops(result)),
             "gemm_share": None if share is None else float(share),
+            "peak_share": None if of_peak is None else float(of_peak),
             "target_met": None if case.target is None else ratio >= case.target,
             "line": line or None, "peers": {title: peer_record(result, peer) for title, peer in result.peers.items()}}
 
 
-def write(path, results, *, argv, quick, repeats, min_sample, load, sgemm, note=None, peers=None):
-    """Write the run (``results``: a Result or Skipped per case; ``sgemm``: (n, rates, NumPy's threads); ``peers``:
-    the run's peers.Peers, None without --against) to ``path`` as JSON."""
+def write(path, results, *, argv, quick, repeats, min_sample, load, sgemm, peak, note=None, peers=None):
+    """Write the run (``results``: a Result or Skipped per case; ``sgemm``: (n, rates, NumPy's threads); ``peak``:
+    the multiply-add peak's GFLOP/s; ``peers``: the run's peers.Peers, None without --against) to ``path`` as
+    JSON."""
     n, rates, numpy_threads = sgemm
     data = {"format": FORMAT,
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "command": ["python", "-m", "attnpp.bench", *argv],
             "machine": describe(load, note),
             "run": {"quick": quick, "repeats": repeats, "min_sample_s": min_sample},
-            "cases": [case_record(r, rates) for r in results],
+            "cases": [case_record(r, rates, peak) for r in results],
             "sgemm": {"n": n, "gflops": {k: float(v) for k, v in rates.items()}, "numpy_threads": numpy_threads,
                       "limits": gemm_products(rates=rates)},
+            "peak": {"gflops": float(peak), "level": attnpp.cpu_capability(), "threads": attnpp.get_num_threads()},
             "peers": None if peers is None else {"versions": peers.versions, "missing": peers.missing}}
     with open(path, "w") as f:
         json.dump(data, f, indent=1, ensure_ascii=False)
