@@ -113,11 +113,11 @@ def measure(case, repeats, min_sample, peers=None):
                   {title: peer_results[title] for title in order if title in peer_results})
 
 
-def product_gflops(call, n, min_sample, samples):
-    """GFLOP/s of ``call``, an (n, n) @ (n, n) product (2 n^3 flops): the median of ``samples`` samples (a batch
-    lasting at least ``min_sample`` each) after a warm-up call."""
+def rate_gflops(call, flops, min_sample, samples):
+    """GFLOP/s of ``call``, which does ``flops`` (an (n, n) @ (n, n) product: 2 n^3): the median of ``samples``
+    samples (a batch lasting at least ``min_sample`` each) after a warm-up call."""
     calls = calibrate(call, min_sample, sample(call, 1))  # the first call: the warm-up
-    return 2.0 * n ** 3 / np.median([sample(call, calls) for _ in range(samples)]) / 1e9
+    return flops / np.median([sample(call, calls) for _ in range(samples)]) / 1e9
 
 
 def numpy_sgemm(n, min_sample, samples=SGEMM_SAMPLES):
@@ -128,7 +128,7 @@ def numpy_sgemm(n, min_sample, samples=SGEMM_SAMPLES):
     rng = np.random.default_rng(0)
     a, b = (rng.standard_normal((n, n), dtype=np.float32) for _ in range(2))
     c = np.empty((n, n), np.float32)
-    rate = product_gflops(lambda: np.matmul(a, b, out=c), n, min_sample, samples)
+    rate = rate_gflops(lambda: np.matmul(a, b, out=c), 2.0 * n ** 3, min_sample, samples)
     ref = a[:64].astype(np.float64) @ b.astype(np.float64)
     error = float(np.abs(c[:64] - ref).max() / max(1.0, np.abs(ref).max()))
     if error > 1e-4:
@@ -200,7 +200,7 @@ def sgemm_gflops(n, min_sample, samples=SGEMM_SAMPLES, bfloat16=True):
     if bfloat16:
         ta16, tb16, tc16 = (t.to(torch.bfloat16) for t in (ta, tb, tc))
         sides["PyTorch bfloat16"] = lambda: torch.mm(ta16, tb16, out=tc16)
-    rates = {name: product_gflops(call, n, min_sample, samples) for name, call in sides.items()}
+    rates = {name: rate_gflops(call, 2.0 * n ** 3, min_sample, samples) for name, call in sides.items()}
     rates["NumPy"], numpy_threads = numpy_sgemm_gflops(n, min_sample, torch.get_num_threads(), samples)
     return rates, numpy_threads
 
@@ -209,13 +209,10 @@ def peak_gflops(min_sample, samples=SGEMM_SAMPLES):
     """GFLOP/s of the multiply-add peak of attnpp's CPU level on its threads: cpp/peak.cpp's loop of independent
     float multiply-adds on as many vector accumulators as the registers hold, nothing loaded, the fastest any
     kernel of the level can multiply and add. The median of ``samples`` samples (a batch lasting at least
-    ``min_sample`` and config.PEAK_MIN_SAMPLE each) after a warm-up call, which also gives the flops of a call.
+    ``min_sample`` and config.PEAK_MIN_SAMPLE each) after a warm-up call (rate_gflops).
 
     The sgemm rates (sgemm_gflops) are a BLAS's, which attnpp's attention forward outruns on some CPUs (AMD Zen 3
     at AVX2: up to 110% of NumPy's sgemm); this one no kernel can, so the share of it says how far from the
     machine's limit a case runs, and what a target ratio would ask of it (report.target_line)."""
-    call = lambda: _core.multiply_add_peak(PEAK_STEPS)
-    start = time.perf_counter()
-    flops = call()
-    calls = calibrate(call, max(min_sample, PEAK_MIN_SAMPLE), time.perf_counter() - start)
-    return flops / np.median([sample(call, calls) for _ in range(samples)]) / 1e9
+    call = lambda: _core.multiply_add_peak(PEAK_STEPS)  # (returns the flops it did: the same at each call)
+    return rate_gflops(call, call(), max(min_sample, PEAK_MIN_SAMPLE), samples)

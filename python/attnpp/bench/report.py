@@ -40,11 +40,16 @@ def gemm_products(level=None, forced=None, rates=None):
     return {"float32": sgemm, "bfloat16": "PyTorch bfloat16" if level == "avx512_bf16" else sgemm}
 
 
-def gemm_rate(dtype, rates, products=None):
-    """The same run's GEMM rate a case of ``dtype`` is held against (``rates``: sgemm_gflops'; ``products``:
-    gemm_products')."""
+def gemm_product(dtype, rates, products=None):
+    """The name of the same run's GEMM product a case of ``dtype`` is held against (``rates``: sgemm_gflops';
+    ``products``: gemm_products')."""
     products = gemm_products(rates=rates) if products is None else products
-    return rates[products["bfloat16" if dtype == "bfloat16" else "float32"]]
+    return products["bfloat16" if dtype == "bfloat16" else "float32"]
+
+
+def gemm_rate(dtype, rates, products=None):
+    """The same run's GEMM rate a case of ``dtype`` is held against (gemm_product's)."""
+    return rates[gemm_product(dtype, rates, products)]
 
 
 def gemm_share(result, rates, products=None):
@@ -58,8 +63,7 @@ def peak_share(result, rates, peak):
     or None without a flop count, and for a case whose limit is not a float product (bfloat16 at avx512_bf16, whose
     pairs do twice the flops of a float multiply-add)."""
     gflops = attnpp_gflops(result)
-    dtype = "bfloat16" if result.case.dtype == "bfloat16" else "float32"
-    if gflops is None or gemm_products(rates=rates)[dtype] == "PyTorch bfloat16":
+    if gflops is None or gemm_product(result.case.dtype, rates) == "PyTorch bfloat16":
         return None
     return gflops / peak
 
@@ -85,12 +89,11 @@ def row(result, rates, peak):
     a, t = (np.asarray(x) for x in result.times)
     # the training shows all its steps (sum of the chunks), the other cases the median call
     shown = [x.sum() * n if result.case.total else np.median(x) for x, n in zip((a, t), result.calls)]
-    share, of_peak = gemm_share(result, rates), peak_share(result, rates, peak)
-    gflops = ["-", "-"] if share is None else [f"{attnpp_gflops(result):.1f}", f"{share:.0%}"]
-    gflops.append("-" if of_peak is None else f"{of_peak:.0%}")
+    gflops = attnpp_gflops(result)
+    shares = ["-" if x is None else f"{x:.0%}" for x in (gemm_share(result, rates), peak_share(result, rates, peak))]
     mem = ["n/a" if m is None else f"{m:.1f}" for m in result.memory]
-    return [result.case.name, fmt_time(shown[0]), fmt_time(shown[1]), fmt_ratio(ratio_quartiles(result)), *gflops,
-            *mem]
+    return [result.case.name, fmt_time(shown[0]), fmt_time(shown[1]), fmt_ratio(ratio_quartiles(result)),
+            "-" if gflops is None else f"{gflops:.1f}", *shares, *mem]
 
 
 HEADER = ["case", "attnpp time", "PyTorch time", "ratio [IQR]", "attnpp GFLOP/s", "% of GEMM", "% of peak",
@@ -193,8 +196,7 @@ def target_line(result, rates=None, peak=None):
     ratio = ratio_quartiles(result)[1]
     verdict = "met" if ratio >= result.case.target else f"NOT met ({ratio / result.case.target:.0%} of it)"
     line = head + f"ratio {ratio:.2f}, issue {result.case.issue}'s target >= {result.case.target}: {verdict}"
-    share = None if peak is None or ratio >= result.case.target else peak_share(result, rates, peak)
-    if share is not None:
+    if ratio < result.case.target and peak is not None and peak_share(result, rates, peak) is not None:
         needed = result.case.flops * result.case.target / np.median(result.times[1]) / 1e9
         line += f"; it asks {needed:.1f} GFLOP/s of attnpp, {needed / peak:.0%} of the multiply-add peak"
     return line
