@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <type_traits>
+#include <vector>
 
 #include "attention_products.hpp"
 #include "vector_exp.hpp"
@@ -117,12 +118,13 @@ __attribute__((always_inline)) inline void prefetch_head(const View4<const Q>& q
 // The backward takes kBackwardKeys.
 constexpr int64_t kForwardPack = int64_t(1) << 16;
 enum class Pass { forward, backward, weights };
+inline int64_t forward_keys(int64_t D, int64_t Dv) { return 512 * (D + Dv) <= kForwardPack ? 512 : 256; }
 template <typename T>
 int64_t key_block(const AttnConfig<T>& cfg, Pass pass) {
   if (cfg.window_left >= 0 || cfg.window_right >= 0) return 128;
   if (pass == Pass::backward) return kBackwardKeys;
   if (pass == Pass::weights && cfg.causal != Causal::none) return 128;
-  return pass == Pass::forward && 512 * (cfg.D + cfg.Dv) <= kForwardPack ? 512 : 256;
+  return pass == Pass::forward ? forward_keys(cfg.D, cfg.Dv) : 256;
 }
 
 // A block of query rows of sequence n: heads [h0, h0 + heads) x queries [i0, i0 + rows), row r being head
@@ -693,6 +695,29 @@ void sdpa_weights(T* weights, const compute_t<T>* logsumexp, const View4<const T
             store_n(weights + ((n * heads_out + ho) * cfg.L + i0 + r) * cfg.S + j0, w.data() + r * cols, cols);
         }
       });
+}
+
+double forward_products(int64_t D, int64_t steps) {
+  const int64_t rows = kForwardRows, keys = forward_keys(D, D);
+  // (8 tasks a thread, as multiply_add_peak's: a thread held up leaves its remaining ones to the others)
+  parallel_for(8 * int64_t(thread_count()), int64_t(1) << 40, [&](int64_t) {
+    // the thread's blocks, allocated at its first task (a page fault per 4 KiB, not timed again); small values: no
+    // subnormal (slow on x86-64), no overflow in acc's sums over the steps
+    thread_local std::vector<float> q, kv, scores, acc;
+    thread_local PackedB<float> kt, vb;
+    q.assign(std::size_t(rows * D), 0x1p-4f);
+    kv.assign(std::size_t(keys * D), 0x1p-4f);
+    scores.resize(std::size_t(rows * keys));
+    acc.assign(std::size_t(rows * D), 0.f);
+    kt.pack(kv.data(), 1, D, D, keys);  // (D, keys): k_blk^T
+    vb.pack(kv.data(), D, 1, keys, D);  // (keys, D): v_blk
+    for (int64_t s = 0; s < steps; ++s) {
+      gemm(scores.data(), keys, row_major(q.data(), D), kt, rows, keys, D, 0x1p-3f, Write::assign);
+      gemm(acc.data(), D, row_major(scores.data(), keys), vb, rows, D, keys, 0x1p-10f, Write::accumulate);
+    }
+    asm volatile("" : : "r"(acc.data()) : "memory");  // (acc, which nothing reads, must still be computed)
+  });
+  return 4.0 * double(rows * keys * D) * double(steps) * double(8 * int64_t(thread_count()));
 }
 
 #define INSTANTIATE(T)                                                                                         \

@@ -38,4 +38,11 @@ template <typename T>
 void sdpa_weights(T* weights, const compute_t<T>* logsumexp, const View4<const T>& q, const View4<const T>& k,
                   const AttnConfig<T>& cfg, bool average_heads = false);
 
+// The forward's two products alone, on the blocks it takes for a head of width D (D = Dv) away from the causal
+// diagonal: the scores q_blk k_blk^T (kForwardRows x keys x D), then acc += p v_blk (kForwardRows x D x keys), k_blk^T
+// and v_blk packed once; `steps` of each per task, 8 tasks a thread, each thread on blocks of its own. Returns the flops
+// done: timed from the caller, flops / seconds is the most the forward's products reach on these threads without
+// the softmax between them (attnpp.bench sets the forward's GFLOP/s against it).
+double forward_products(int64_t D, int64_t steps);
+
 }  // namespace attnpp::ATTNPP_CPU_NS

@@ -24,6 +24,6 @@ constexpr Kernels<T> table() {
 }  // namespace
 
 extern const KernelSet kernels = {table<float>(), table<double>(), table<bfloat16>(), table<float16>(), &dropout_mask,
-                                   &multiply_add_peak};
+                                   &multiply_add_peak, &forward_products};
 
 }  // namespace attnpp::ATTNPP_CPU_NS

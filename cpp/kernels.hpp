@@ -65,6 +65,7 @@ struct KernelSet {
   Kernels<float16> f16;
   void (*dropout_mask)(bool* keep, int64_t n, double p, uint64_t seed);
   double (*multiply_add_peak)(int64_t steps);  // (peak.hpp)
+  double (*forward_products)(int64_t D, int64_t steps);  // (attention.hpp)
 };
 
 // Each level's table (kernels.cpp, compiled once per level).

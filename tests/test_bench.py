@@ -46,6 +46,10 @@ PEAK = re.compile(rf"^multiply-add peak at (\S+) on (\d+) threads \(independent 
                   rf"median of \d+\): {NUMBER} GFLOP/s \| attnpp sdpa fwd over (\d+) cases: best {NUMBER} GFLOP/s = "
                   rf"(\d+)% of it, median {NUMBER} GFLOP/s = (\d+)%$", re.MULTILINE)
 
+PRODUCTS = re.compile(rf"^attnpp's forward products alone \(q k\^T then p v on the forward's blocks, no softmax; median "
+                      rf"of \d+\): D=64 {NUMBER} GFLOP/s = (\d+)% of the peak, D=128 {NUMBER} GFLOP/s = (\d+)% of the "
+                      rf"peak$", re.MULTILINE)
+
 
 def run(*args, bench=BENCH, **kwargs):
     return subprocess.run(bench + list(args), capture_output=True, text=True, timeout=600, **kwargs)
@@ -196,6 +200,14 @@ def test_peak_line_sets_the_attention_against_the_multiply_add_peak(quick):
         high = 100 * (float(gflops) + 0.05) / (float(peak) - 0.05)
         assert low - 0.5 <= int(pct) <= high + 0.5, (gflops, pct, peak)
     assert int(cases) == 6  # (the sgemm line's: test_sgemm_line_sets_...)
+    # the forward's products alone, on the same threads: below the peak, their shares of it from their own figures
+    found = PRODUCTS.search(quick)
+    assert found, f"no forward products line in:\n{quick}"
+    for gflops, pct in zip(found.groups()[::2], found.groups()[1::2]):
+        assert float(gflops) < float(peak), (gflops, peak)
+        low = 100 * (float(gflops) - 0.05) / (float(peak) + 0.05)
+        high = 100 * (float(gflops) + 0.05) / (float(peak) - 0.05)
+        assert low - 0.5 <= int(pct) <= high + 0.5, (gflops, pct, peak)
 
 
 @pytest.mark.parametrize("level, forced, bfloat16_share", [("avx512_bf16", False, 0.125), ("avx2", False, 0.5),
@@ -502,6 +514,34 @@ def test_multiply_add_peak_counts_its_flops_and_refuses_no_steps():
         _core.multiply_add_peak(0)
 
 
+def test_products_line_figures():
+    from attnpp import bench
+    line = bench.products_line({64: 150.0, 128: 170.0}, 200.0)
+    assert line == ("attnpp's forward products alone (q k^T then p v on the forward's blocks, no softmax; median of "
+                    "5): D=64 150.0 GFLOP/s = 75% of the peak, D=128 170.0 GFLOP/s = 85% of the peak")
+    assert PRODUCTS.search(line)
+
+
+def test_forward_products_count_their_flops_and_refuse_bad_arguments():
+    # flops = the two products' 2 x rows x keys x D each x steps x 8 tasks a thread, on the forward's blocks: 256 query
+    # rows against 512 keys at D = 64, 256 at D = 128 (cpp/attention.cpp's kForwardRows and key_block)
+    from attnpp import _core
+    threads = attnpp.get_num_threads()
+    try:
+        for n in (1, 2):
+            attnpp.set_num_threads(n)
+            for D, keys in ((64, 512), (128, 256)):
+                assert _core.forward_products(D, 1) == 4 * 256 * keys * D * 8 * n
+                assert _core.forward_products(D, 3) == 3 * _core.forward_products(D, 1)
+    finally:
+        attnpp.set_num_threads(threads)
+    for head_dim, steps, message in ((0, 1, "head_dim must be in \\[1, 1024\\], got 0"),
+                                     (1025, 1, "head_dim must be in \\[1, 1024\\], got 1025"),
+                                     (64, 0, "steps must be >= 1, got 0")):
+        with pytest.raises(ValueError, match=message):
+            _core.forward_products(head_dim, steps)
+
+
 def _variant_case(name_start):
     from attnpp import bench
     cases = [c for c in bench.variant_cases(bench.SIZES[True], quick=True) if c.name.startswith(name_start)]
@@ -710,6 +750,8 @@ def test_json_writes_the_machine_and_every_case_as_the_table_shows_it(tmp_path):
     assert data["sgemm"]["n"] == 256 and data["sgemm"]["gflops"]["PyTorch"] > 0
     assert data["peak"]["level"] == attnpp.cpu_capability() and data["peak"]["threads"] == os.cpu_count()
     assert f"{data['peak']['gflops']:.1f} GFLOP/s |" in PEAK.search(result.stdout).group(0)
+    shown = PRODUCTS.search(result.stdout).group(0)
+    assert [f"D={D} {rate:.1f} GFLOP/s" in shown for D, rate in data["peak"]["forward_products"].items()] == [True] * 2
 
     # the peers: their versions, a line for each one missing, and on the forward cases their figures as the peers'
     # table shows them

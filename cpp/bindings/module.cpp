@@ -506,6 +506,14 @@ double multiply_add_peak(int64_t steps) {
   return cpu_level().kernels->multiply_add_peak(steps);
 }
 
+double forward_products(int64_t head_dim, int64_t steps) {
+  if (head_dim < 1 || head_dim > 1024)
+    throw py::value_error("forward_products: head_dim must be in [1, 1024], got " + std::to_string(head_dim));
+  if (steps < 1) throw py::value_error("forward_products: steps must be >= 1, got " + std::to_string(steps));
+  py::gil_scoped_release release;
+  return cpu_level().kernels->forward_products(head_dim, steps);
+}
+
 py::dict build_config() {
   py::list levels, supported;
   for (const auto& l : cpu_levels()) {
@@ -693,6 +701,11 @@ PYBIND11_MODULE(_core, m) {
         "a thread, nothing loaded, and returns the flops done: flops / seconds is the level's peak on these threads "
         "(attnpp.bench).",
         py::arg("steps"));
+  m.def("forward_products", &forward_products,
+        "Runs the attention forward's two products alone, q k^T then p v, on the blocks the forward takes for a head "
+        "of width head_dim (in [1, 1024]), `steps` times each in 8 tasks a thread, and returns the flops done: flops "
+        "/ seconds is the most the forward's products reach on these threads, without the softmax (attnpp.bench).",
+        py::arg("head_dim"), py::arg("steps"));
   m.def("build_config", &build_config,
         "The build: dict of cpu_capability, levels_built, levels_supported, compiler, flags, eigen, threading, "
         "half_precision (how the level computes in it), cpu_half_features (F16C, AVX512_BF16, AVX512_FP16, "

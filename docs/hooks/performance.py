@@ -106,6 +106,10 @@ def render(data, name):
         peak = data["peak"]
         notes.append(f"multiply-add peak at {peak['level']} on {peak['threads']} threads in the same run: "
                      f"{peak['gflops']:.1f} GFLOP/s; % of peak: of it")
+        if peak.get("forward_products"):  # (files since the forward's products came)
+            rates = ", ".join(f"D={D} {rate:.1f} GFLOP/s ({rate / peak['gflops']:.0%} of the peak)"
+                              for D, rate in peak["forward_products"].items())
+            notes.append(f"the forward's products alone on its blocks, no softmax: {rates}")
     out += [""] + [f"- {html.escape(line)}" for line in notes]
     return "\n".join(out)
 

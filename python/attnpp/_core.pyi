@@ -24,6 +24,11 @@ def build_config() -> Dict[str, Any]:
     half_precision (how the level computes in it), cpu_half_features (F16C, AVX512_BF16, AVX512_FP16, AMX-BF16 when
     the CPU has them)."""
 
+def forward_products(head_dim: int, steps: int) -> float:
+    """Runs the attention forward's two products alone, q k^T then p v, on the blocks the forward takes for a head of
+    width head_dim (in [1, 1024]), `steps` times each in 8 tasks a thread, and returns the flops done: flops /
+    seconds is the most the forward's products reach on these threads, without the softmax (attnpp.bench)."""
+
 def multiply_add_peak(steps: int) -> float:
     """Runs `steps` float multiply-adds on each of 14 independent vector accumulators (30 with AVX-512), 8 tasks a
     thread, nothing loaded, and returns the flops done: flops / seconds is the level's peak on these threads

@@ -95,7 +95,9 @@ and weights:
   of attnpp's level on the run's threads, measured in the same run (measure.peak_gflops: independent float
   multiply-adds on every vector register, nothing loaded, cpp/peak.cpp), which no kernel can pass: a line
   gives the forward cases' best and median share of it, and a target a case missed says what GFLOP/s it asks and
-  their share of the peak.
+  their share of the peak. The next line runs the forward's two products alone, q k^T then p v on the blocks it
+  takes at D = 64 and D = 128 (measure.forward_products_gflops), and gives their share of the peak: the most the
+  forward's products reach, the softmax and the bookkeeping between them taking the rest of the forward's time.
 - the peers (``--against onnxruntime,openvino``, issue 37; the module ``peers``): ONNX Runtime through the standard
   ONNX ``Attention`` operator (opset 23) and OpenVINO through ``opset13.scaled_dot_product_attention`` on the CPU
   plugin, each on the run's threads, forward only, on the forward cases of the kernel (every dtype), causal-length
@@ -157,22 +159,22 @@ from .cli import main, parse_args
 from .config import SIZES, capability_env
 from .decode_length import decode_length_cases, decode_problem, plain_decode_calls
 from .machine import numpy_level_core, numpy_openblas
-from .measure import (growth_mib, measure, numpy_sgemm, numpy_sgemm_gflops, peak_gflops, peak_growth_mib,
-                      sgemm_gflops)
+from .measure import (forward_products_gflops, growth_mib, measure, numpy_sgemm, numpy_sgemm_gflops, peak_gflops,
+                      peak_growth_mib, sgemm_gflops)
 from .peers import ENGINES, Peers, Problem, check_error, reference_rows
 from .registry import FAMILIES, make_cases
 from .report import (bfloat16_gemm_line, gemm_products, gemm_rate, gemm_share, peak_line, peak_share, peer_rows,
-                     print_report, row, sgemm_line, target_line)
+                     print_report, products_line, row, sgemm_line, target_line)
 from .variants import (compile_first_call, decode_steps, flex_summary, sliding_window, variant_cases, varlen_lengths,
                        varlen_sides, window_calls, window_pairs, window_sides)
 
 __all__ = ["Case", "ENGINES", "FAMILIES", "HelloWorldModel", "PeerResult", "Peers", "Problem", "Result", "SIZES",
            "Sides", "Skipped", "Unavailable", "attention_calls", "attention_flops", "bfloat16_gemm_line",
            "capability_env", "causal_length_cases", "check_error", "compile_first_call", "decode_length_cases",
-           "decode_problem", "decode_steps", "flex_summary", "fmt_shape", "fmt_time", "gemm_products", "gemm_rate",
+           "decode_problem", "decode_steps", "flex_summary", "fmt_shape", "fmt_time", "forward_products_gflops", "gemm_products", "gemm_rate",
            "gemm_share", "growth_mib", "kernel_calls", "kernel_flops", "kernel_problem", "layer_calls", "main",
            "make_cases", "measure", "mha_calls", "numpy_level_core", "numpy_openblas", "numpy_sgemm",
            "numpy_sgemm_gflops", "parse_args", "peak_gflops", "peak_growth_mib", "peak_line", "peak_share",
-           "peer_rows", "plain_decode_calls", "print_report", "random_inputs", "reference_rows", "row", "sdpa_sides",
+           "peer_rows", "plain_decode_calls", "print_report", "products_line", "random_inputs", "reference_rows", "row", "sdpa_sides",
            "sgemm_gflops", "sgemm_line", "sliding_window", "target_line", "training_calls", "variant_cases",
            "varlen_lengths", "varlen_sides", "window_calls", "window_pairs", "window_sides"]

@@ -19,7 +19,7 @@ import attnpp
 from .case import Skipped, Unavailable
 from .config import MEMORY_PAIRS, MKL_INSTRUCTIONS, SIZES, capability_env
 from .machine import background_load, cpu_seconds
-from .measure import measure, peak_gflops, sgemm_gflops
+from .measure import forward_products_gflops, measure, peak_gflops, sgemm_gflops
 from .peers import ENGINES, Peers
 from . import results as results_file
 from .registry import make_cases
@@ -130,15 +130,16 @@ def main(argv=None):
           file=sys.stderr, flush=True)
     rates, numpy_threads = sgemm_gflops(size["sgemm"], size["min_sample"],
                                         bfloat16=gemm_products()["bfloat16"] == "PyTorch bfloat16")
-    print(f"[peak] multiply-add peak at {attnpp.cpu_capability()} ({time.perf_counter() - start:.0f} s)",
+    print(f"[peak] multiply-add peak and the forward's products at {attnpp.cpu_capability()} "
+          f"({time.perf_counter() - start:.0f} s)",
           file=sys.stderr, flush=True)
-    peak = peak_gflops(size["min_sample"])
+    peak, products = peak_gflops(size["min_sample"]), forward_products_gflops(size["min_sample"])
     load, sgemm = background_load(cpu_before), (size["sgemm"], rates, numpy_threads)
-    print_report(results, repeats, size["min_sample"], args.quick, load, sgemm, peak, peers)
+    print_report(results, repeats, size["min_sample"], args.quick, load, sgemm, peak, products, peers)
     if args.json:
         results_file.write(args.json, results, argv=argv, quick=args.quick, repeats=repeats,
-                           min_sample=size["min_sample"], load=load, sgemm=sgemm, peak=peak, note=args.note,
-                           peers=peers)
+                           min_sample=size["min_sample"], load=load, sgemm=sgemm, peak=peak, products=products,
+                           note=args.note, peers=peers)
         print(f"results written to {args.json}", file=sys.stderr)
     print(f"total {time.perf_counter() - start:.0f} s", file=sys.stderr)
 

@@ -76,6 +76,9 @@ SGEMM_TARGET = 0.85  # issue 37's target: attnpp's attention forward at >= 85% o
 # the multiply-add peak (measure.peak_gflops): steps a task of cpp/peak.cpp's loop (about 0.1 ms at AVX2 on a 3 GHz
 # core), and the least a sample lasts, so that waking the threads is under 0.1% of it
 PEAK_STEPS, PEAK_MIN_SAMPLE = 1 << 15, 0.1
+# the forward's products alone (measure.forward_products_gflops): on the blocks of these head widths, this many steps
+# a task (each about 0.35 ms at D = 64 on a 3 GHz core at AVX2: the refill of a task's inputs under 1% of it)
+PRODUCT_HEAD_DIMS, PRODUCT_STEPS = (64, 128), 16
 
 # --capability LEVEL: the environment that loads each library at that level. attnpp and PyTorch (ATen) share the
 # level names; MKL (PyTorch's float products) and oneDNN (its bfloat16 products: torch.mm and the flash

@@ -18,7 +18,7 @@ import attnpp
 from attnpp import _core
 
 from .case import Result
-from .config import PEAK_MIN_SAMPLE, PEAK_STEPS, SGEMM_SAMPLES
+from .config import PEAK_MIN_SAMPLE, PEAK_STEPS, PRODUCT_HEAD_DIMS, PRODUCT_STEPS, SGEMM_SAMPLES
 from .machine import numpy_level_core
 
 
@@ -216,3 +216,16 @@ def peak_gflops(min_sample, samples=SGEMM_SAMPLES):
     machine's limit a case runs, and what a target ratio would ask of it (report.target_line)."""
     call = lambda: _core.multiply_add_peak(PEAK_STEPS)  # (returns the flops it did: the same at each call)
     return rate_gflops(call, call(), max(min_sample, PEAK_MIN_SAMPLE), samples)
+
+
+def forward_products_gflops(min_sample, samples=SGEMM_SAMPLES):
+    """GFLOP/s of attnpp's attention forward's two products alone, q k^T then p v, on the blocks the forward takes
+    for a head of each width of config.PRODUCT_HEAD_DIMS, on attnpp's threads (_core.forward_products): {head_dim:
+    GFLOP/s}, each the median of ``samples`` samples as peak_gflops's. Between the multiply-add peak and the
+    forward's own rate: the peak's share that the products reach, and the share of theirs left by the softmax and
+    the bookkeeping between them."""
+    rates = {}
+    for D in PRODUCT_HEAD_DIMS:
+        call = lambda D=D: _core.forward_products(D, PRODUCT_STEPS)  # (returns its flops: the same at each call)
+        rates[D] = rate_gflops(call, call(), max(min_sample, PEAK_MIN_SAMPLE), samples)
+    return rates

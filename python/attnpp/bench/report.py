@@ -168,6 +168,14 @@ def peak_line(results, peak):
             + forward_shares(results, peak, "it"))
 
 
+def products_line(products, peak):
+    """Between the peak and the forward: the GFLOP/s of attnpp's forward's two products alone on its blocks
+    (``products``: measure.forward_products_gflops'), each as a share of the multiply-add ``peak``."""
+    rates = ", ".join(f"D={D} {rate:.1f} GFLOP/s = {rate / peak:.0%} of the peak" for D, rate in products.items())
+    return (f"attnpp's forward products alone (q k^T then p v on the forward's blocks, no softmax; median of "
+            f"{SGEMM_SAMPLES}): {rates}")
+
+
 def bfloat16_gemm_line(results, n, rates):
     """The bfloat16 GEMM rate through torch.mm beside attnpp's bfloat16 attention forward (best and median of the
     run's ``sdpa fwd ... bfloat16`` cases) and its share of the limit (gemm_products: the float32 product below
@@ -202,11 +210,12 @@ def target_line(result, rates=None, peak=None):
     return line
 
 
-def print_report(results, repeats, min_sample, quick, load, sgemm, peak, peers=None):
+def print_report(results, repeats, min_sample, quick, load, sgemm, peak, products, peers=None):
     """The header (setup and method; the peers of ``peers``, a peers.Peers, and a line per engine not installed),
     the table (``results``: a Result or Skipped per case), the peers' table, a line per skipped case, the cases' own
     lines (memory, FlexAttention's compile), the targets met or not, the GEMM lines (``sgemm``: the arguments of
-    sgemm_line after the results), the peak's line (``peak``: measure.peak_gflops') and the note on the ratios."""
+    sgemm_line after the results), the peak's line (``peak``: measure.peak_gflops'), the forward's products' line
+    (``products``: measure.forward_products_gflops') and the note on the ratios."""
     print(f"attnpp {attnpp.__version__} vs PyTorch {torch.__version__} (CPU), float32 unless a case names its dtype"
           f"{' (--quick)' if quick else ''}")
     print(f"threads: attnpp {attnpp.get_num_threads()}, PyTorch {torch.get_num_threads()} | repeats: {repeats} "
@@ -255,5 +264,6 @@ def print_report(results, repeats, min_sample, quick, load, sgemm, peak, peers=N
     print(sgemm_line(results, *sgemm))
     print(bfloat16_gemm_line(results, n, rates))
     print(peak_line(results, peak))
+    print(products_line(products, peak))
     print("ratio = PyTorch time / attnpp time of each alternating pair (a, t, a, t, ...): median [25th-75th "
           "percentile] over the pairs; above 1: attnpp faster")

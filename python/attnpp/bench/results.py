@@ -10,13 +10,16 @@ One JSON object::
      "cases": [one record per case, in the table's order (case_record)],
      "sgemm": {"n", "gflops": {"PyTorch", "NumPy", "PyTorch bfloat16" (where it is a limit)}, "numpy_threads",
                "limits": {"float32", "bfloat16"}: the names of the gflops the cases' gemm_share are of},
-     "peak": {"gflops": the multiply-add peak (measure.peak_gflops), "level": attnpp's CPU level, "threads"},
+     "peak": {"gflops": the multiply-add peak (measure.peak_gflops), "level": attnpp's CPU level, "threads",
+              "forward_products": {head_dim as a string: the forward's products' GFLOP/s}
+                                  (measure.forward_products_gflops)},
      "peers": {"versions": {engine title: version}, "missing": [a line per engine not installed]}, or null without
               --against}
 
 Fields are only ever added (a reader of the first files still reads the new ones): ``gemm_share`` and ``peers`` in
 the case records, the run's ``peers`` and the sgemm's ``limits`` came with issue 37 (a file without ``limits``
-held every case against PyTorch's rates), and later the run's ``peak`` and the cases' ``peak_share``.
+held every case against PyTorch's rates), and later the run's ``peak`` and the cases' ``peak_share``, then the
+peak's ``forward_products``.
 """
 from __future__ import annotations
 
@@ -83,10 +86,10 @@ def case_record(result, rates, peak):
             "line": line or None, "peers": {title: peer_record(result, peer) for title, peer in result.peers.items()}}
 
 
-def write(path, results, *, argv, quick, repeats, min_sample, load, sgemm, peak, note=None, peers=None):
+def write(path, results, *, argv, quick, repeats, min_sample, load, sgemm, peak, products, note=None, peers=None):
     """Write the run (``results``: a Result or Skipped per case; ``sgemm``: (n, rates, NumPy's threads); ``peak``:
-    the multiply-add peak's GFLOP/s; ``peers``: the run's peers.Peers, None without --against) to ``path`` as
-    JSON."""
+    the multiply-add peak's GFLOP/s; ``products``: the forward's products' {head_dim: GFLOP/s}; ``peers``: the
+    run's peers.Peers, None without --against) to ``path`` as JSON."""
     n, rates, numpy_threads = sgemm
     data = {"format": FORMAT,
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -96,7 +99,8 @@ def write(path, results, *, argv, quick, repeats, min_sample, load, sgemm, peak,
             "cases": [case_record(r, rates, peak) for r in results],
             "sgemm": {"n": n, "gflops": {k: float(v) for k, v in rates.items()}, "numpy_threads": numpy_threads,
                       "limits": gemm_products(rates=rates)},
-            "peak": {"gflops": float(peak), "level": attnpp.cpu_capability(), "threads": attnpp.get_num_threads()},
+            "peak": {"gflops": float(peak), "level": attnpp.cpu_capability(), "threads": attnpp.get_num_threads(),
+                     "forward_products": {str(D): float(rate) for D, rate in products.items()}},
             "peers": None if peers is None else {"versions": peers.versions, "missing": peers.missing}}
     with open(path, "w") as f:
         json.dump(data, f, indent=1, ensure_ascii=False)
