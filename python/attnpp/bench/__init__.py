@@ -171,10 +171,11 @@ from .variants import (compile_first_call, decode_steps, flex_summary, sliding_w
 __all__ = ["Case", "ENGINES", "FAMILIES", "HelloWorldModel", "PeerResult", "Peers", "Problem", "Result", "SIZES",
            "Sides", "Skipped", "Unavailable", "attention_calls", "attention_flops", "bfloat16_gemm_line",
            "capability_env", "causal_length_cases", "check_error", "compile_first_call", "decode_length_cases",
-           "decode_problem", "decode_steps", "flex_summary", "fmt_shape", "fmt_time", "forward_products_gflops", "gemm_products", "gemm_rate",
-           "gemm_share", "growth_mib", "kernel_calls", "kernel_flops", "kernel_problem", "layer_calls", "main",
-           "make_cases", "measure", "mha_calls", "numpy_level_core", "numpy_openblas", "numpy_sgemm",
-           "numpy_sgemm_gflops", "parse_args", "peak_gflops", "peak_growth_mib", "peak_line", "peak_share",
-           "peer_rows", "plain_decode_calls", "print_report", "products_line", "random_inputs", "reference_rows", "row", "sdpa_sides",
-           "sgemm_gflops", "sgemm_line", "sliding_window", "target_line", "training_calls", "variant_cases",
-           "varlen_lengths", "varlen_sides", "window_calls", "window_pairs", "window_sides"]
+           "decode_problem", "decode_steps", "flex_summary", "fmt_shape", "fmt_time", "forward_products_gflops",
+           "gemm_products", "gemm_rate", "gemm_share", "growth_mib", "kernel_calls", "kernel_flops", "kernel_problem",
+           "layer_calls", "main", "make_cases", "measure", "mha_calls", "numpy_level_core", "numpy_openblas",
+           "numpy_sgemm", "numpy_sgemm_gflops", "parse_args", "peak_gflops", "peak_growth_mib", "peak_line",
+           "peak_share", "peer_rows", "plain_decode_calls", "print_report", "products_line", "random_inputs",
+           "reference_rows", "row", "sdpa_sides", "sgemm_gflops", "sgemm_line", "sliding_window", "target_line",
+           "training_calls", "variant_cases", "varlen_lengths", "varlen_sides", "window_calls", "window_pairs",
+           "window_sides"]
