@@ -194,20 +194,17 @@ def test_peak_line_sets_the_attention_against_the_multiply_add_peak(quick):
     # (bfloat16 at avx512_bf16 has none: its pairs are not float multiply-adds)
     assert len(shown) == len(measured) - (sum("bfloat16" in name for name in measured)
                                           if attnpp.cpu_capability() == "avx512_bf16" else 0)
+    # the forward's products alone, each share of the peak from its own figure (not held below the peak: at 80 to
+    # 90% of it, a sample of the peak that a loaded host slows could pass them)
+    products = PRODUCTS.search(quick)
+    assert products, f"no forward products line in:\n{quick}"
+    product_figures = list(zip(products.groups()[::2], products.groups()[1::2]))
     figures = [(cells[4], cells[6][:-1]) for cells in shown.values()] + [(best, best_pct), (median, median_pct)]
-    for gflops, pct in figures:
+    for gflops, pct in figures + product_figures:
         low = 100 * (float(gflops) - 0.05) / (float(peak) + 0.05)
         high = 100 * (float(gflops) + 0.05) / (float(peak) - 0.05)
         assert low - 0.5 <= int(pct) <= high + 0.5, (gflops, pct, peak)
     assert int(cases) == 6  # (the sgemm line's: test_sgemm_line_sets_...)
-    # the forward's products alone, on the same threads: below the peak, their shares of it from their own figures
-    found = PRODUCTS.search(quick)
-    assert found, f"no forward products line in:\n{quick}"
-    for gflops, pct in zip(found.groups()[::2], found.groups()[1::2]):
-        assert float(gflops) < float(peak), (gflops, peak)
-        low = 100 * (float(gflops) - 0.05) / (float(peak) + 0.05)
-        high = 100 * (float(gflops) + 0.05) / (float(peak) - 0.05)
-        assert low - 0.5 <= int(pct) <= high + 0.5, (gflops, pct, peak)
 
 
 @pytest.mark.parametrize("level, forced, bfloat16_share", [("avx512_bf16", False, 0.125), ("avx2", False, 0.5),
