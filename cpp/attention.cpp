@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "attention_products.hpp"
+#include "peak.hpp"
 #include "vector_exp.hpp"
 
 namespace attnpp::ATTNPP_CPU_NS {
@@ -699,8 +700,7 @@ void sdpa_weights(T* weights, const compute_t<T>* logsumexp, const View4<const T
 
 double forward_products(int64_t D, int64_t steps) {
   const int64_t rows = kForwardRows, keys = forward_keys(D, D);
-  // (8 tasks a thread, as multiply_add_peak's: a thread held up leaves its remaining ones to the others)
-  parallel_for(8 * int64_t(thread_count()), int64_t(1) << 40, [&](int64_t) {
+  return bench_tasks(4.0 * double(rows * keys * D) * double(steps), [&](int64_t) {
     // the thread's blocks, allocated at its first task (a page fault per 4 KiB, not timed again); small values: no
     // subnormal (slow on x86-64), no overflow in acc's sums over the steps
     thread_local std::vector<float> q, kv, scores, acc;
@@ -717,7 +717,6 @@ double forward_products(int64_t D, int64_t steps) {
     }
     asm volatile("" : : "r"(acc.data()) : "memory");  // (acc, which nothing reads, must still be computed)
   });
-  return 4.0 * double(rows * keys * D) * double(steps) * double(8 * int64_t(thread_count()));
 }
 
 #define INSTANTIATE(T)                                                                                         \

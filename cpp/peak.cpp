@@ -19,9 +19,7 @@ double multiply_add_peak(int64_t steps) {
   constexpr int kAccumulators = 14;
 #endif
   constexpr int W = gemm_detail::Vec<float>::width;
-  // (8 tasks a thread: a thread that the machine holds up leaves its remaining ones to the others, parallel_for)
-  const int64_t tasks = 8 * int64_t(thread_count());
-  parallel_for(tasks, int64_t(1) << 40, [&](int64_t task) {  // (work enough for the threads, always)
+  return bench_tasks(2.0 * kAccumulators * W * double(steps), [&](int64_t task) {
     // acc grows by 2^-20 a step from 2 or more: never a subnormal (slow on x86-64), infinity (as fast as a number)
     // only after 10^8 steps. Its start is unknown to the compiler (the task's number is in it): a start that GCC
     // found to be a fixed point of the step was left out of the loop, and the peak came out 7% high.
@@ -32,7 +30,6 @@ double multiply_add_peak(int64_t steps) {
       _Pragma("GCC unroll 32") for (int i = 0; i < kAccumulators; ++i) acc[i] += acc[i] * c;
     asm volatile("" : : "r"(acc) : "memory");  // (the sums, which nothing reads, must still be computed)
   });
-  return 2.0 * kAccumulators * W * double(steps) * double(tasks);
 }
 
 }  // namespace attnpp::ATTNPP_CPU_NS

@@ -205,27 +205,30 @@ def sgemm_gflops(n, min_sample, samples=SGEMM_SAMPLES, bfloat16=True):
     return rates, numpy_threads
 
 
+def loop_gflops(call, min_sample, samples):
+    """GFLOP/s of one of the core's bench loops (cpp/peak.hpp's bench_tasks), ``call`` returning the flops it did,
+    the same at each call: rate_gflops's median, each sample lasting at least ``min_sample`` and
+    config.PEAK_MIN_SAMPLE."""
+    return rate_gflops(call, call(), max(min_sample, PEAK_MIN_SAMPLE), samples)
+
+
 def peak_gflops(min_sample, samples=SGEMM_SAMPLES):
     """GFLOP/s of the multiply-add peak of attnpp's CPU level on its threads: cpp/peak.cpp's loop of independent
     float multiply-adds on as many vector accumulators as the registers hold, nothing loaded, the fastest any
     kernel of the level can multiply and add. The median of ``samples`` samples (a batch lasting at least
-    ``min_sample`` and config.PEAK_MIN_SAMPLE each) after a warm-up call (rate_gflops).
+    ``min_sample`` and config.PEAK_MIN_SAMPLE each) after a warm-up call (loop_gflops).
 
     The sgemm rates (sgemm_gflops) are a BLAS's, which attnpp's attention forward outruns on some CPUs (AMD Zen 3
     at AVX2: up to 110% of NumPy's sgemm); this one no kernel can, so the share of it says how far from the
     machine's limit a case runs, and what a target ratio would ask of it (report.target_line)."""
-    call = lambda: _core.multiply_add_peak(PEAK_STEPS)  # (returns the flops it did: the same at each call)
-    return rate_gflops(call, call(), max(min_sample, PEAK_MIN_SAMPLE), samples)
+    return loop_gflops(lambda: _core.multiply_add_peak(PEAK_STEPS), min_sample, samples)
 
 
 def forward_products_gflops(min_sample, samples=SGEMM_SAMPLES):
     """GFLOP/s of attnpp's attention forward's two products alone, q k^T then p v, on the blocks the forward takes
     for a head of each width of config.PRODUCT_HEAD_DIMS, on attnpp's threads (_core.forward_products): {head_dim:
-    GFLOP/s}, each the median of ``samples`` samples as peak_gflops's. Between the multiply-add peak and the
+    GFLOP/s}, each the median of ``samples`` samples (loop_gflops). Between the multiply-add peak and the
     forward's own rate: the peak's share that the products reach, and the share of theirs left by the softmax and
     the bookkeeping between them."""
-    rates = {}
-    for D in PRODUCT_HEAD_DIMS:
-        call = lambda D=D: _core.forward_products(D, PRODUCT_STEPS)  # (returns its flops: the same at each call)
-        rates[D] = rate_gflops(call, call(), max(min_sample, PEAK_MIN_SAMPLE), samples)
-    return rates
+    return {D: loop_gflops(lambda D=D: _core.forward_products(D, PRODUCT_STEPS), min_sample, samples)
+            for D in PRODUCT_HEAD_DIMS}
