@@ -29,6 +29,15 @@ def rng():
     return np.random.default_rng(1234)
 
 
+@pytest.fixture
+def threads():
+    """attnpp.set_num_threads, to set attnpp's thread count inside a test; restored afterwards."""
+    import attnpp
+    before = attnpp.get_num_threads()
+    yield attnpp.set_num_threads
+    attnpp.set_num_threads(before)
+
+
 @pytest.fixture(scope="module")
 def one_torch_thread():
     """PyTorch on one thread for a module of tiny models (the transformers tests): as fast on a quiet host, and on

@@ -494,19 +494,15 @@ def test_peak_line_figures():
     assert bench.peak_line(results[2:3], 160.0) == head + "attnpp sdpa fwd: no such case in this run (see --cases)"
 
 
-def test_multiply_add_peak_counts_its_flops_and_refuses_no_steps():
+def test_multiply_add_peak_counts_its_flops_and_refuses_no_steps(threads):
     # flops = 2 x the floats of the accumulators x steps x 8 tasks a thread: twice the steps, twice the flops, on
     # any thread count
     from attnpp import _core
-    threads = attnpp.get_num_threads()
-    try:
-        for n in (1, 2):
-            attnpp.set_num_threads(n)
-            one, two = _core.multiply_add_peak(100), _core.multiply_add_peak(200)
-            assert two == 2 * one and one % (2 * 100 * 8 * n) == 0
-            assert one // (2 * 100 * 8 * n) in (56, 112, 480)  # (14 vectors of 4 floats, 14 of 8, 30 of 16)
-    finally:
-        attnpp.set_num_threads(threads)
+    for n in (1, 2):
+        threads(n)
+        one, two = _core.multiply_add_peak(100), _core.multiply_add_peak(200)
+        assert two == 2 * one and one % (2 * 100 * 8 * n) == 0
+        assert one // (2 * 100 * 8 * n) in (56, 112, 480)  # (14 vectors of 4 floats, 14 of 8, 30 of 16)
     with pytest.raises(ValueError, match="steps must be >= 1, got 0"):
         _core.multiply_add_peak(0)
 
@@ -519,19 +515,15 @@ def test_products_line_figures():
     assert PRODUCTS.search(line)
 
 
-def test_forward_products_count_their_flops_and_refuse_bad_arguments():
+def test_forward_products_count_their_flops_and_refuse_bad_arguments(threads):
     # flops = the two products' 2 x rows x keys x D each x steps x 8 tasks a thread, on the forward's blocks: 256 query
     # rows against 512 keys at D = 64, 256 at D = 128 (cpp/attention.cpp's kForwardRows and key_block)
     from attnpp import _core
-    threads = attnpp.get_num_threads()
-    try:
-        for n in (1, 2):
-            attnpp.set_num_threads(n)
-            for D, keys in ((64, 512), (128, 256)):
-                assert _core.forward_products(D, 1) == 4 * 256 * keys * D * 8 * n
-                assert _core.forward_products(D, 3) == 3 * _core.forward_products(D, 1)
-    finally:
-        attnpp.set_num_threads(threads)
+    for n in (1, 2):
+        threads(n)
+        for D, keys in ((64, 512), (128, 256)):
+            assert _core.forward_products(D, 1) == 4 * 256 * keys * D * 8 * n
+            assert _core.forward_products(D, 3) == 3 * _core.forward_products(D, 1)
     for head_dim, steps, message in ((0, 1, "head_dim must be in \\[1, 1024\\], got 0"),
                                      (1025, 1, "head_dim must be in \\[1, 1024\\], got 1025"),
                                      (64, 0, "steps must be >= 1, got 0")):

@@ -15,14 +15,6 @@ import attnpp.functional as AF
 from attnpp.nn import Attention, CrossEntropyLoss, Dropout, Linear, MultiheadAttention
 
 
-@pytest.fixture
-def threads():
-    """Set the thread count inside a test; restored afterwards."""
-    before = attnpp.get_num_threads()
-    yield attnpp.set_num_threads
-    attnpp.set_num_threads(before)
-
-
 def test_set_get_num_threads(threads):
     threads(1)
     assert attnpp.get_num_threads() == 1
