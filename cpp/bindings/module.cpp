@@ -439,7 +439,7 @@ void adamw_step(const py::list& params, const py::list& grads, const py::list& e
 py::array empty(const std::vector<py::ssize_t>& shape, const py::dtype& dtype) {
   const char kind = dtype.kind();  // numbers only: objects (and records holding them) need initialized memory
   if ((std::string("biufc").find(kind) == std::string::npos || dtype.has_fields()) &&
-      !dtype.equal(dtype_of<bfloat16>()))
+      !is_bfloat16(dtype))
     throw py::type_error("empty: expected a numeric dtype, got " + std::string(py::str(dtype)));
   void* data = pool_acquire(array_bytes(shape, dtype.itemsize(), "empty"));
   py::capsule owner(data, [](void* p) { pool_release(p); });
@@ -465,7 +465,7 @@ py::object sdpa_forward_plain(const py::object& query, const py::object& key, co
   const py::dtype dtype = q.dtype();
   if (q.ndim() != 4 || k.ndim() != 4 || v.ndim() != 4 || !k.dtype().equal(dtype) || !v.dtype().equal(dtype))
     return py::none();
-  const bool half = dtype.equal(dtype_of<float16>()) || dtype.equal(dtype_of<bfloat16>());
+  const bool half = dtype.equal(dtype_of<float16>()) || is_bfloat16(dtype);
   if (!half && !dtype.equal(dtype_of<float>()) && !dtype.equal(dtype_of<double>())) return py::none();
   const int64_t N = q.shape(0), Hq = q.shape(1), L = q.shape(2), D = q.shape(3);
   const int64_t Hk = v.shape(1), S = v.shape(2), Dv = v.shape(3);

@@ -7,19 +7,42 @@ an index out of range, MemoryError for a request too large to allocate. ``ARGUME
 non-array arguments of every public function and layer by their kind; tests/test_bad_input.py drives each of
 them through its kind's refused values.
 """
+import functools
 import math
 import numbers
+import sys
 
-import ml_dtypes
 import numpy as np
 
 from ._seeds import next_seed
 
-BFLOAT16 = np.dtype(ml_dtypes.bfloat16)  # JAX's bfloat16, a NumPy dtype of the ml_dtypes package
-HALVES = (np.dtype(np.float16), BFLOAT16)
-FLOATS = (np.dtype(np.float32), np.dtype(np.float64)) + HALVES
 FLOAT_NAMES = "float32, float64, float16 or bfloat16"
 MAX_ELEMENTS = np.iinfo(np.intp).max // 8  # more elements than any array can hold
+_FLOAT16, _WIDE = np.dtype(np.float16), (np.dtype(np.float32), np.dtype(np.float64))
+
+
+# -------------------------------------------------------------------------------------------------- dtypes
+@functools.lru_cache(maxsize=None)
+def bfloat16_dtype():
+    """ml_dtypes' bfloat16 (JAX's) as a NumPy dtype, NumPy having none of its own; ml_dtypes is imported at the
+    first call, not with attnpp: its import took 0.9 s of ``import attnpp``'s 1.0 s (ml_dtypes 0.7.0)."""
+    import ml_dtypes
+    return np.dtype(ml_dtypes.bfloat16)
+
+
+def is_bfloat16(dtype):
+    """Whether ``dtype`` is ml_dtypes' bfloat16, without importing ml_dtypes: no dtype is before it is imported."""
+    return "ml_dtypes" in sys.modules and dtype == bfloat16_dtype()
+
+
+def is_half(dtype):
+    """Whether ``dtype`` is float16 or bfloat16, the half-precision dtypes the core takes."""
+    return dtype == _FLOAT16 or is_bfloat16(dtype)
+
+
+def is_float(dtype):
+    """Whether ``dtype`` is float32, float64, float16 or bfloat16, the dtypes the core takes."""
+    return dtype in _WIDE or is_half(dtype)
 
 
 # -------------------------------------------------------------------------------------------------- arrays
@@ -49,7 +72,7 @@ def bfloat16_tensor_as_ndarray(tensor):
     bfloat16 of its own, so DLPack cannot carry one): its bits viewed as uint16, then as bfloat16. RuntimeError
     from torch for a tensor that requires grad or is not on the CPU."""
     import torch  # (only ever given a torch tensor: torch is there)
-    return tensor.view(torch.uint16).numpy().view(BFLOAT16)
+    return tensor.view(torch.uint16).numpy().view(bfloat16_dtype())
 
 
 def check_array(x, name, ndim=None, min_ndim=None, dtype=None, written=False):
@@ -60,7 +83,7 @@ def check_array(x, name, ndim=None, min_ndim=None, dtype=None, written=False):
     """
     if type(x) is not np.ndarray:
         x = as_ndarray(x, name, written)
-    if x.dtype not in FLOATS:
+    if not is_float(x.dtype):
         raise TypeError(f"{name}: expected dtype {FLOAT_NAMES}, got {x.dtype}")
     if dtype is not None and x.dtype != dtype:
         raise TypeError(f"{name}: expected dtype {np.dtype(dtype)} (like the other inputs), got {x.dtype}")
@@ -74,7 +97,7 @@ def check_array(x, name, ndim=None, min_ndim=None, dtype=None, written=False):
 def compute_dtype(dtype):
     """The dtype the core computes and accumulates in for arrays of ``dtype``, and that of the log-sum-exp it
     returns: float32 for float16 and bfloat16 (as PyTorch's CPU kernels), else ``dtype`` itself."""
-    return np.dtype(np.float32) if dtype in HALVES else dtype
+    return np.dtype(np.float32) if is_half(dtype) else dtype
 
 
 def broadcast_shape(name, *shapes):
@@ -131,7 +154,7 @@ def check_query_heads(query, option="", **kv):
 def check_cache_dtype(dtype, compute, name):
     """A KV cache's ``dtype``: ``compute`` (the query's or the layer's), or float16/bfloat16 under a float32
     ``compute`` (the cache then holds half precision); else TypeError naming ``name``."""
-    if np.dtype(dtype) != compute and not (dtype in HALVES and compute == np.float32):
+    if np.dtype(dtype) != compute and not (is_half(np.dtype(dtype)) and compute == np.float32):
         raise TypeError(f"{name}: expected dtype {np.dtype(compute)} (the query's or the layer's), or float16 or "
                         f"bfloat16 under a float32 one, got {np.dtype(dtype)}")
 
@@ -141,7 +164,7 @@ def check_alibi_slopes(slopes, batch, Hq, dtype, name="alibi_slopes"):
     floats, else TypeError/ValueError naming ``name``."""
     dtype = compute_dtype(dtype)
     slopes = as_ndarray(slopes, name)
-    if slopes.dtype.kind != "f" and slopes.dtype not in FLOATS:
+    if slopes.dtype.kind != "f" and not is_float(slopes.dtype):
         raise TypeError(f"{name}: expected a float array, got dtype {slopes.dtype}")
     full = tuple(batch) + (Hq,)
     if slopes.ndim == 0 or slopes.shape[-1] != Hq or np.broadcast_shapes(slopes.shape, full) != full:
@@ -282,13 +305,16 @@ def check_hyper(value, name):
 def check_dtype(dtype):
     """A layer's ``dtype`` (None means float32; NumPy's, ml_dtypes' or torch's float32, float64, float16 or
     bfloat16, or one of those names) as a NumPy dtype, else TypeError."""
+    name = str(dtype)[6:] if str(dtype).startswith("torch.") else str(dtype)
+    if dtype is not None and name == "bfloat16":  # (a name NumPy knows only once ml_dtypes is imported)
+        return bfloat16_dtype()
     try:
         dt = np.dtype(np.float32 if dtype is None else getattr(dtype, "numpy_dtype", dtype))
     except TypeError:
         dt = None
     if dt is None and dtype is not None and str(dtype).startswith("torch."):
-        dt = {d.name: d for d in FLOATS}.get(str(dtype)[6:])
-    if dt is None or dt not in FLOATS:  # (None == np.dtype("float64") is True in NumPy)
+        dt = {d.name: d for d in _WIDE + (_FLOAT16,)}.get(name)
+    if dt is None or not is_float(dt):  # (None == np.dtype("float64") is True in NumPy)
         raise TypeError(f"dtype: expected {FLOAT_NAMES}, got {dtype}")
     return dt
 

@@ -20,7 +20,7 @@ import numbers
 import numpy as np
 
 from . import _core
-from ._checks import HALVES, check_bool, check_hyper, is_real
+from ._checks import check_bool, check_hyper, is_half, is_real
 from .nn import Parameter
 from .nn.module import to_numpy
 
@@ -101,7 +101,7 @@ class Optimizer:
 
     def _master(self, p):
         """Whether ``p`` is updated through a float32 master copy."""
-        return self.master_weights and p.dtype in HALVES
+        return self.master_weights and is_half(p.dtype)
 
     def _grouped(self):
         """Yield (group, params, grads, states) for each group and dtype, over the parameters that have a

@@ -7,8 +7,8 @@ from typing import NamedTuple, Optional
 import numpy as np
 
 from .. import _core
-from .._checks import (HALVES, check_array, check_bool, check_ignore_index, check_index, check_label_smoothing,
-                       check_loss_grad, check_reduction, check_softcap, compute_dtype)
+from .._checks import (check_array, check_bool, check_ignore_index, check_index, check_label_smoothing,
+                       check_loss_grad, check_reduction, check_softcap, compute_dtype, is_half)
 from .._pool import zeros as _zeros
 
 
@@ -184,7 +184,7 @@ def linear_cross_entropy_backward(grad_output, input, weight, target, logsumexp,
         if g != 1:  # (a loss's own gradient, 1, the common case: nothing to scale)
             for a in grads:
                 if a is not None:
-                    np.multiply(a, g.astype(a.dtype) if a.dtype in HALVES else g, out=a, casting="unsafe")
+                    np.multiply(a, g.astype(a.dtype) if is_half(a.dtype) else g, out=a, casting="unsafe")
         return grads
     lse = check_array(logsumexp, "logsumexp", dtype=acc)
     if lse.shape != shape:

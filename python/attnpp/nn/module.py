@@ -260,7 +260,7 @@ class Module:
             if name not in state_dict:
                 continue
             v = to_numpy(state_dict[name], name)
-            if name in params and v.dtype not in checks.FLOATS and v.dtype.kind != "f":
+            if name in params and not checks.is_float(v.dtype) and v.dtype.kind != "f":
                 raise TypeError(f"state_dict[{name!r}]: expected a floating dtype, got {v.dtype}")
             if v.shape != arr.shape:
                 raise ValueError(f"state_dict[{name!r}]: expected shape {arr.shape}, got {v.shape}")

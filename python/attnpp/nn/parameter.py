@@ -1,7 +1,7 @@
 """A trainable array and its gradient, as ``torch.nn.Parameter`` on NumPy."""
 import numpy as np
 
-from .._checks import FLOAT_NAMES, FLOATS
+from .._checks import FLOAT_NAMES, is_float
 
 
 class Parameter:
@@ -23,7 +23,7 @@ class Parameter:
 
     def __init__(self, data):
         data = np.array(data, copy=True, order="C")
-        if data.dtype not in FLOATS:
+        if not is_float(data.dtype):
             raise TypeError(f"data: expected dtype {FLOAT_NAMES}, got {data.dtype}")
         self._data, self._grad = data, None
 
@@ -85,7 +85,7 @@ class Parameter:
 def _checked(value, like, name):
     """``value`` as an array of ``like``'s shape, of real numbers castable to its dtype, else TypeError/ValueError."""
     array = np.asarray(value)
-    if array.dtype.kind not in "fiub" and array.dtype not in FLOATS:
+    if array.dtype.kind not in "fiub" and not is_float(array.dtype):
         raise TypeError(f"{name}: expected an array of real numbers, got "
                         f"{array.dtype if isinstance(value, np.ndarray) else type(value).__name__}")
     if array.shape != like.shape:

@@ -13,7 +13,7 @@ import math
 import numpy as np
 import torch
 
-from .._checks import BFLOAT16, FLOAT_NAMES, bfloat16_tensor_as_ndarray
+from .._checks import FLOAT_NAMES, bfloat16_tensor_as_ndarray, is_bfloat16
 
 __all__ = ["TorchValueError", "TorchTypeError", "torch_errors", "check_tensor", "check_plain", "check_same_device",
            "check_dtype", "to_numpy", "from_numpy", "draw_seed", "additive_mask", "causal_bias_flags", "FLOATS",
@@ -142,7 +142,7 @@ def to_numpy(tensor):
 def from_numpy(array):
     """The tensor sharing the memory of an ndarray, as ``torch.from_numpy``, which also takes arrays of
     ``ml_dtypes.bfloat16`` (as torch.bfloat16)."""
-    if array.dtype == BFLOAT16:
+    if is_bfloat16(array.dtype):
         return torch.from_numpy(array.view(np.uint16)).view(torch.bfloat16)
     return torch.from_numpy(array)
 
