@@ -154,9 +154,10 @@ def check_query_heads(query, option="", **kv):
 def check_cache_dtype(dtype, compute, name):
     """A KV cache's ``dtype``: ``compute`` (the query's or the layer's), or float16/bfloat16 under a float32
     ``compute`` (the cache then holds half precision); else TypeError naming ``name``."""
-    if np.dtype(dtype) != compute and not (is_half(np.dtype(dtype)) and compute == np.float32):
+    dtype = np.dtype(dtype)
+    if dtype != compute and not (is_half(dtype) and compute == np.float32):
         raise TypeError(f"{name}: expected dtype {np.dtype(compute)} (the query's or the layer's), or float16 or "
-                        f"bfloat16 under a float32 one, got {np.dtype(dtype)}")
+                        f"bfloat16 under a float32 one, got {dtype}")
 
 
 def check_alibi_slopes(slopes, batch, Hq, dtype, name="alibi_slopes"):
@@ -305,15 +306,14 @@ def check_hyper(value, name):
 def check_dtype(dtype):
     """A layer's ``dtype`` (None means float32; NumPy's, ml_dtypes' or torch's float32, float64, float16 or
     bfloat16, or one of those names) as a NumPy dtype, else TypeError."""
-    name = str(dtype)[6:] if str(dtype).startswith("torch.") else str(dtype)
-    if dtype is not None and name == "bfloat16":  # (a name NumPy knows only once ml_dtypes is imported)
+    text = str(dtype)
+    given = text[6:] if text.startswith("torch.") else getattr(dtype, "numpy_dtype", dtype)  # (torch's: by name)
+    if given is not None and str(given) == "bfloat16":  # (a name NumPy knows only once ml_dtypes is imported)
         return bfloat16_dtype()
     try:
-        dt = np.dtype(np.float32 if dtype is None else getattr(dtype, "numpy_dtype", dtype))
+        dt = np.dtype(np.float32 if given is None else given)
     except TypeError:
         dt = None
-    if dt is None and dtype is not None and str(dtype).startswith("torch."):
-        dt = {d.name: d for d in _WIDE + (_FLOAT16,)}.get(name)
     if dt is None or not is_float(dt):  # (None == np.dtype("float64") is True in NumPy)
         raise TypeError(f"dtype: expected {FLOAT_NAMES}, got {dtype}")
     return dt
