@@ -21,6 +21,8 @@
 #   PYTHON=python   interpreter whose Eigen (cmeel-eigen) and attnpp are used; its real executable is what runs
 #                   under qemu (pyenv's `python` is a shell shim, which qemu cannot run)
 #   KEEP=1          keep the temporary directory (binaries, build and run logs) even when everything passed
+#   VARIANTS=0      skip d. (CI, whose step 3 builds the whole core by Clang and without OpenMP and runs parity
+#                   tests and a bitwise comparison against each: two of this script's five builds, 2.5 minutes)
 #
 # Installs only what is missing: the Debian packages qemu-user, g++-aarch64-linux-gnu, clang and libomp-dev, and
 # cmeel-eigen (pip). Takes 4 to 8 minutes on 2 cores, most of it compiling (5 to 7 builds of the kernels, 1 to 2
@@ -93,8 +95,9 @@ declare -A march=([default]="-march=x86-64" [avx2]="-march=x86-64-v3" [avx512]="
 runs=(default)
 for level in avx2 avx512 avx512_bf16; do "$work/cpu_has" "$level" && runs+=("$level"); done
 best=${runs[-1]}
-echo "cross_check.sh: building the test for aarch64, for x86-64 at ${runs[*]} (the levels this CPU runs), by Clang" \
-     "and without OpenMP, in $work"
+variants=$([[ ${VARIANTS:-1} == 0 ]] || echo ", by Clang and without OpenMP")
+echo "cross_check.sh: building the test for aarch64, for x86-64 at ${runs[*]} (the levels this CPU runs)$variants," \
+     "in $work"
 build aarch64 aarch64-linux-gnu-g++ -fopenmp -DATTNPP_CPU_NS=cpu_default  # no -march: the aarch64 baseline has NEON
 gcc_level() {  # gcc_flags = GCC's flags for level $1: its -march, GCC 12's silencers where AVX-512 intrinsics need them
     gcc_flags=(${march[$1]})
@@ -104,9 +107,11 @@ for level in "${runs[@]}"; do
     gcc_level "$level"
     build "$level" g++ -fopenmp "${gcc_flags[@]}" -DATTNPP_CPU_NS=cpu_$level
 done
-build clang clang++ -fopenmp ${march[$best]} -DATTNPP_CPU_NS=cpu_$best
-gcc_level "$best"
-build no_openmp g++ "${gcc_flags[@]}" -DATTNPP_CPU_NS=cpu_$best
+if [[ -n $variants ]]; then
+    build clang clang++ -fopenmp ${march[$best]} -DATTNPP_CPU_NS=cpu_$best
+    gcc_level "$best"
+    build no_openmp g++ "${gcc_flags[@]}" -DATTNPP_CPU_NS=cpu_$best
+fi
 for name in "${!pid[@]}"; do
     wait "${pid[$name]}" && echo "cross_check.sh: built $name ($((SECONDS - start))s)" \
         || { echo "cross_check.sh: build $name FAILED:"; grep -E "error|Error" "$work/$name.build.log" | head -20; }
@@ -150,6 +155,7 @@ built default "$what" && run "$what" "$work/nehalem.log" qemu-x86_64 -cpu Nehale
 
 # d. Clang (libomp) and no OpenMP, at the best level; each test checks 1 thread against 2 (bitwise) itself
 for name in clang no_openmp; do
+    [[ -n $variants ]] || break
     what="d. x86-64 $best ($([[ $name == clang ]] && echo "clang++, libomp" || echo "g++, no OpenMP"))"
     built "$name" "$what" && run "$what" "$work/$name.log" env OMP_NUM_THREADS=2 "$work/$name"
 done
