@@ -74,9 +74,10 @@ fi
 #   -D_GLIBCXX_SANITIZE_VECTOR  std::vector annotates its unused capacity for ASan (container-overflow):
 #                               catches reads/writes between size() and capacity(). All of _core is built
 #                               with it, so no mixed annotated/unannotated vectors.
-#   -g1 (and the Release build type, whose flags hold no -g)  line tables only: a report's stack still names each
-#                               frame's function, file and line, and the build takes 11% less time than with -g
-#                               (attention.cpp at avx2: 146 s against 164 s on a 2-core AMD Zen 3).
+#   -g1  line tables only: a report's stack still names each frame's function, file and line, and the build takes
+#        11% less time than with -g (attention.cpp at avx2: 146 s against 164 s on a 2-core AMD Zen 3). The build
+#        type is RelWithDebInfo with its flags cut to -DNDEBUG (CMakeLists.txt gives -O3; its -g would undo -g1):
+#        pybind11 strips the module of symbols and line tables under Release.
 sanflags="-fsanitize=address,undefined,float-cast-overflow"
 if [[ -n ${KEEP_GOING:-} ]]; then sanflags+=" -fsanitize-recover=all"; halt=0; else sanflags+=" -fno-sanitize-recover=all"; halt=1; fi
 cxxflags="$sanflags -fno-omit-frame-pointer -g1 -D_GLIBCXX_SANITIZE_VECTOR=1"
@@ -87,7 +88,8 @@ if [[ -f $build/CMakeCache.txt ]] && \
    [[ $(sed -n 's/^CMAKE_CXX_COMPILER:[A-Z]*=//p' "$build/CMakeCache.txt") != "$CXX" ]]; then
     rm -rf "$build/CMakeCache.txt" "$build/CMakeFiles"
 fi
-cmake -S "$repo" -B "$build" -DCMAKE_BUILD_TYPE=Release -DCMAKE_CXX_COMPILER="$CXX" \
+cmake -S "$repo" -B "$build" -DCMAKE_BUILD_TYPE=RelWithDebInfo -DCMAKE_CXX_FLAGS_RELWITHDEBINFO=-DNDEBUG \
+      -DCMAKE_CXX_COMPILER="$CXX" \
       -DPython_EXECUTABLE="$PY" -Dpybind11_DIR="$pybind11_dir" -DATTNPP_CPU_LEVELS="${ATTNPP_CPU_LEVELS:-}" \
       -DCMAKE_CXX_FLAGS="$cxxflags" -DCMAKE_SHARED_LINKER_FLAGS="$sanflags" >"$logs/cmake.log" 2>&1 \
     || { cat "$logs/cmake.log"; verdict 2 "ERROR: cmake configure failed"; }
