@@ -144,17 +144,19 @@ def numpy_sgemm_gflops(n, min_sample, threads, samples=SGEMM_SAMPLES):
     """NumPy's sgemm rate (numpy_sgemm) at attnpp's CPU level, on ``threads`` threads, and how it ran, as a phrase
     for the report: (rate, phrase).
 
-    NumPy's OpenBLAS takes its core type from ``OPENBLAS_CORETYPE`` at import. Where this process's is not that of
-    attnpp's level (config.OPENBLAS_LEVEL_CORE; x86-64 only), the product runs in a child process with the level's
-    core type, ``OPENBLAS_L2_SIZE`` unset (set beside it on the same hosts) and ``OPENBLAS_NUM_THREADS`` =
-    ``threads``; a child that fails (its product checked against float64 too) leaves the product to this process,
-    and the phrase says why. In this process NumPy's BLAS is limited to ``threads`` through threadpoolctl if it is
-    installed (it is not a dependency), else it runs on its own default; a wrong product there gives NaN (then
-    PyTorch's sgemm is the limit: report.gemm_products) and the phrase says so.
+    NumPy's OpenBLAS takes its core type from ``OPENBLAS_CORETYPE`` and its threads from ``OPENBLAS_NUM_THREADS``
+    at import. On x86-64 (config.OPENBLAS_LEVEL_CORE) the product runs in a child process with the core type of
+    attnpp's level, ``OPENBLAS_L2_SIZE`` unset (set beside it on the same hosts) and ``OPENBLAS_NUM_THREADS`` =
+    ``threads``, also where this process's core type is already that one (under ``--capability``): its OpenBLAS
+    started on its own default threads, all the cores, which ``--threads 1`` does not limit; a child that fails (its
+    product checked against float64 too) leaves the product to this process, and the phrase says why. In this
+    process NumPy's BLAS is limited to ``threads`` through threadpoolctl if it is installed (it is not a
+    dependency), else it runs on its own default; a wrong product there gives NaN (then PyTorch's sgemm is the
+    limit: report.gemm_products) and the phrase says so.
     """
     core = numpy_level_core()
     fallback = ""
-    if core is not None and os.environ.get("OPENBLAS_CORETYPE") != core:
+    if core is not None:
         env = {var: value for var, value in os.environ.items() if var != "OPENBLAS_L2_SIZE"}
         env.update(OPENBLAS_CORETYPE=core, OPENBLAS_NUM_THREADS=str(threads))
         child = subprocess.run([sys.executable, "-c", _NUMPY_CHILD, str(n), repr(min_sample), str(samples)],
