@@ -131,11 +131,20 @@ inline void tile_rows(int m, T* C, int64_t ldc, const T* A, int64_t ars, int64_t
 // The shortest k for which panel requests the next tile's rows of C ahead.
 constexpr int64_t kPrefetchDepth = 32;
 
-// Columns [j0, j0 + NV * width) of all M rows.
+// The next panel of B, `lines` cache lines from `data` (none: lines = 0), which a panel requests into the cache as
+// its tiles run (gemm).
+struct Ahead {
+  static constexpr int64_t kLine = 64;
+  const char* data = nullptr;
+  int64_t lines = 0;
+};
+
+// Columns [j0, j0 + NV * width) of all M rows; the lines of `next` requested a share after each tile.
 template <typename T, int NV, typename TB>
 inline void panel(T* C, int64_t ldc, const T* A, int64_t ars, int64_t acs, const TB* B, int64_t ldb, int64_t M,
-                  int64_t K, T alpha, bool accumulate) {
-  for (int64_t i = 0; i < M; i += kMR) {
+                  int64_t K, T alpha, bool accumulate, Ahead next) {
+  const int64_t per_tile = ceil_div(next.lines, std::max<int64_t>(1, ceil_div(M, kMR)));
+  for (int64_t i = 0, line = 0; i < M; i += kMR) {
     // the next tile's rows of C, requested now so that they arrive while this tile computes: a projection's output
     // (the fused loss's 154 MB weight gradient, added into block by block) is in memory, not in cache, and its rows
     // are too far apart for the hardware's prefetchers. Not for a short k (article 001's E = 5), whose tile is over
@@ -145,32 +154,34 @@ inline void panel(T* C, int64_t ldc, const T* A, int64_t ars, int64_t acs, const
         for (int v = 0; v < NV; ++v) __builtin_prefetch(C + r * ldc + v * Vec<T>::width, 1);
     tile_rows<T, NV>(static_cast<int>(std::min<int64_t>(kMR, M - i)), C + i * ldc, ldc, A + i * ars, ars, acs, B,
                      ldb, K, alpha, accumulate);
+    for (const int64_t end = std::min(next.lines, line + per_tile); line < end; ++line)
+      __builtin_prefetch(next.data + line * Ahead::kLine, 0, 1);
   }
 }
 
 // Runtime vector count nv in [1, NV] -> panel<T, nv>.
 template <typename T, int NV = kNV, typename TB>
 inline void panel_vectors(int nv, T* C, int64_t ldc, const T* A, int64_t ars, int64_t acs, const TB* B,
-                          int64_t ldb, int64_t M, int64_t K, T alpha, bool accumulate) {
+                          int64_t ldb, int64_t M, int64_t K, T alpha, bool accumulate, Ahead next) {
   if constexpr (NV > 0) {
     if (nv == NV)
-      panel<T, NV>(C, ldc, A, ars, acs, B, ldb, M, K, alpha, accumulate);
+      panel<T, NV>(C, ldc, A, ars, acs, B, ldb, M, K, alpha, accumulate, next);
     else
-      panel_vectors<T, NV - 1>(nv, C, ldc, A, ars, acs, B, ldb, M, K, alpha, accumulate);
+      panel_vectors<T, NV - 1>(nv, C, ldc, A, ars, acs, B, ldb, M, K, alpha, accumulate, next);
   }
 }
 
 // C (M, N) = alpha * A B (accumulate = false) or C += alpha * A B (accumulate = true).
 // A (M, K): element (i, k) at A[i * ars + k * acs]; B (K, N): element (k, j) at B[k * ldb + j] (of T, or read into
-// T from a half-precision type); C row stride ldc.
+// T from a half-precision type); C row stride ldc. next: requested into the cache as the panels run (panel).
 template <typename T, typename TB>
 void gemm_rows(T* C, int64_t ldc, const T* A, int64_t ars, int64_t acs, const TB* B, int64_t ldb, int64_t M,
-               int64_t N, int64_t K, T alpha, bool accumulate) {
+               int64_t N, int64_t K, T alpha, bool accumulate, Ahead next = {}) {
   constexpr int W = Vec<T>::width;
   int64_t j = 0;
   while (j + W <= N) {  // panels of kNV vectors, the last one possibly narrower
     const int nv = static_cast<int>(std::min<int64_t>(kNV, (N - j) / W));
-    panel_vectors<T>(nv, C + j, ldc, A, ars, acs, B + j, ldb, M, K, alpha, accumulate);
+    panel_vectors<T>(nv, C + j, ldc, A, ars, acs, B + j, ldb, M, K, alpha, accumulate, next);
     j += nv * W;
   }
   for (int64_t i = 0; i < M; ++i)  // the last N % W columns
@@ -301,16 +312,32 @@ struct PackedB {
   }
 };
 
+// A packed B of more bytes than this is taken to lie beyond a core's L2 cache (512 KiB to 2 MiB on the CPUs
+// measured): a head's keys and values packed once at long lengths, which the forward walks a block at a time, or a
+// projection's weight. Its panels come from the L3 cache or memory, and the hardware's prefetchers, which start on
+// each panel's first misses, left the micro-kernel waiting on them: each panel of such a B requests the next one's
+// lines as its tiles run, a share after each tile (at once before the panel, they gained nothing). The causal
+// forward of (1, 4, 16384, 128) at AVX2 on an AMD Zen 4 took 0.96 of its time ((1, 8, 8192, 128): 0.96,
+// (1, 2, 32768, 64): 0.97 to 0.98; medians of 7 to 11 processes alternating), at AVX-512, whose panels are four times
+// as wide, 0.99 to 1.01. A smaller B stays in L2 from one use to the next: requesting its panels changed nothing
+// measurable (the short cases, forward and backward, 0.98 to 1.02).
+constexpr int64_t kStreamedBytes = int64_t(1) << 20;
+
 // C (M, N) (+)= alpha * A (M, K) B (K, N), B being rows [k0, k0 + K) and columns [j0, j0 + N) of a packed matrix
 // (a causal block uses part of the keys packed; the projections, slices of k); C row-major, row stride ldc. j0: a
 // multiple of the panel width.
 template <typename T>
 void gemm(T* C, int64_t ldc, Operand<T> A, const PackedB<T>& B, int64_t M, int64_t N, int64_t K, T alpha,
           Write write, int64_t k0 = 0, int64_t j0 = 0) {
+  const bool streamed = B.K * B.N * int64_t(sizeof(T)) > kStreamedBytes;
   for (int64_t j = 0; j < N; j += B.kPanel) {
     const int64_t w = B.width(j0 + j);
+    gemm_detail::Ahead next;
+    if (streamed && j + B.kPanel < N)
+      next = {reinterpret_cast<const char*>(B.panel(j0 + j + B.kPanel, k0)),
+              ceil_div(K * B.width(j0 + j + B.kPanel) * int64_t(sizeof(T)), gemm_detail::Ahead::kLine)};
     gemm_detail::gemm_rows(C + j, ldc, A.data, A.rs, A.cs, B.panel(j0 + j, k0), w, M, std::min(w, N - j), K, alpha,
-                           write == Write::accumulate);
+                           write == Write::accumulate, next);
   }
 }
 
