@@ -317,7 +317,7 @@ struct PackedB {
 // projection's weight. Its panels come from the L3 cache or memory, and the hardware's prefetchers, which start on
 // each panel's first misses, left the micro-kernel waiting on them: each panel of such a B requests the next one's
 // lines as its tiles run, a share after each tile (at once before the panel, they gained nothing). The causal
-// forward of (1, 4, 16384, 128) at AVX2 on an AMD Zen 4 took 0.96 of its time ((1, 8, 8192, 128): 0.96,
+// forward of (1, 4, 16384, 128) at AVX2 on an AMD Zen 4 took 0.96 of its time ((1, 8, 8192, 128): 0.96 to 0.97,
 // (1, 2, 32768, 64): 0.97 to 0.98; medians of 7 to 11 processes alternating), at AVX-512, whose panels are four times
 // as wide, 0.99 to 1.01. A smaller B stays in L2 from one use to the next: requesting its panels changed nothing
 // measurable (the short cases, forward and backward, 0.98 to 1.02).
