@@ -87,11 +87,10 @@ constexpr int64_t kPrefetchBytes = int64_t(1) << 18;
 template <typename T>
 __attribute__((always_inline)) inline void prefetch_rows(const View4<const T>& a, int64_t n, int64_t h, int64_t r0,
                                                           int64_t rows, int64_t cols) {
-  constexpr int64_t kLine = 64;
   for (int64_t r = r0; r < r0 + rows; ++r) {
-    const auto first = reinterpret_cast<std::uintptr_t>(a.at(n, h, r)) / kLine * kLine;
+    const auto first = reinterpret_cast<std::uintptr_t>(a.at(n, h, r)) / kCacheLine * kCacheLine;
     const auto end = reinterpret_cast<std::uintptr_t>(a.at(n, h, r) + cols);
-    for (std::uintptr_t line = first; line < end; line += kLine)
+    for (std::uintptr_t line = first; line < end; line += kCacheLine)
       __builtin_prefetch(reinterpret_cast<const void*>(line), 0, 1);
   }
 }

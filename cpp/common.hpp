@@ -41,6 +41,9 @@ struct MaskView {
   }
 };
 
+// The cache line of the x86-64 and Arm cores attnpp runs on: the unit of its prefetches (attention.cpp, gemm.hpp).
+constexpr int64_t kCacheLine = 64;
+
 // The number of blocks of b that cover n.
 inline int64_t ceil_div(int64_t n, int64_t b) { return (n + b - 1) / b; }
 

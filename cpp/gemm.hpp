@@ -134,7 +134,6 @@ constexpr int64_t kPrefetchDepth = 32;
 // The next panel of B, `lines` cache lines from `data` (none: lines = 0), which a panel requests into the cache as
 // its tiles run (gemm).
 struct Ahead {
-  static constexpr int64_t kLine = 64;
   const char* data = nullptr;
   int64_t lines = 0;
 };
@@ -155,7 +154,7 @@ inline void panel(T* C, int64_t ldc, const T* A, int64_t ars, int64_t acs, const
     tile_rows<T, NV>(static_cast<int>(std::min<int64_t>(kMR, M - i)), C + i * ldc, ldc, A + i * ars, ars, acs, B,
                      ldb, K, alpha, accumulate);
     for (const int64_t end = std::min(next.lines, line + per_tile); line < end; ++line)
-      __builtin_prefetch(next.data + line * Ahead::kLine, 0, 1);
+      __builtin_prefetch(next.data + line * kCacheLine, 0, 1);
   }
 }
 
@@ -333,9 +332,10 @@ void gemm(T* C, int64_t ldc, Operand<T> A, const PackedB<T>& B, int64_t M, int64
   for (int64_t j = 0; j < N; j += B.kPanel) {
     const int64_t w = B.width(j0 + j);
     gemm_detail::Ahead next;
+    const int64_t jn = j0 + j + B.kPanel;  // the next panel's first column
     if (streamed && j + B.kPanel < N)
-      next = {reinterpret_cast<const char*>(B.panel(j0 + j + B.kPanel, k0)),
-              ceil_div(K * B.width(j0 + j + B.kPanel) * int64_t(sizeof(T)), gemm_detail::Ahead::kLine)};
+      next = {reinterpret_cast<const char*>(B.panel(jn, k0)), ceil_div(K * B.width(jn) * int64_t(sizeof(T)),
+                                                                        kCacheLine)};
     gemm_detail::gemm_rows(C + j, ldc, A.data, A.rs, A.cs, B.panel(j0 + j, k0), w, M, std::min(w, N - j), K, alpha,
                            write == Write::accumulate, next);
   }
