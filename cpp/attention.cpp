@@ -237,8 +237,9 @@ T row_max(const T* row, int64_t n) {
 // the product doubled the log-sum-exp's error), and a row's largest weight is exactly 1. Where the exp gives exactly
 // 0 at -inf (shifter_exp) and the shift is finite, -inf - shift is -inf and needs nothing more; else (a NaN shift,
 // Eigen's generic exp, whose -inf gives a subnormal) -inf is selected to 0. The sum is in a fixed order: one partial
-// sum per lane.
-template <typename T>
+// sum per lane. kRounded (float): the row is left rounded to bfloat16 (round_to_bfloat16, in the registers), its
+// sum taken before, as the flash numerics' P and l (a pass of its own over P took 3% of the forward at AVX2).
+template <typename T, bool kRounded = false>
 T exp_shifted_in_place(T* row, int64_t n, T shift) {
   namespace ei = Eigen::internal;
   using P = typename ei::packet_traits<T>::type;
@@ -259,7 +260,10 @@ T exp_shifted_in_place(T* row, int64_t n, T shift) {
       const P x = ei::ploadu<P>(row + c);
       const P y = exp_packet(ei::psub(x, vshift));
       const P e = plain ? y : ei::pselect(ei::pcmp_eq(x, vninf), zero, y);
-      ei::pstoreu(row + c, e);
+      if constexpr (kRounded)
+        ei::pstoreu(row + c, round_to_bfloat16(e));
+      else
+        ei::pstoreu(row + c, e);
       vsum = ei::padd(vsum, e);
     }
   };
@@ -272,6 +276,7 @@ T exp_shifted_in_place(T* row, int64_t n, T shift) {
     const T x = row[c] - shift;
     row[c] = row[c] == neg_inf<T>() ? T(0) : base2 ? std::exp2(x * T(M_LOG2E)) : std::exp(x);
     sum += row[c];
+    if constexpr (kRounded) row[c] = load(store<bfloat16>(row[c]));
   }
   return sum;
 }
@@ -322,6 +327,9 @@ void forward(const View4<Q>& out, compute_t<T>* logsumexp, const View4<const Q>&
   const int64_t per_task = windowed ? 1 : std::max<int64_t>(1, ceil_div(row_blocks, std::clamp<int64_t>(ceil_div(
       kTasksPerThread * int64_t(thread_count()), head_tasks), 1, std::max<int64_t>(row_blocks, 1))));
   const int64_t row_groups = ceil_div(row_blocks, per_task), tasks_per_n = cfg.Hk * head_blocks * row_groups;
+  // W rounds the weights P to bfloat16 for P v (flash numerics, float products): the exponentials round them as
+  // they write them, but where dropout scales them first (W's products then round them in a pass of their own)
+  const bool rounded = W::kRoundsWeights && cfg.dropout_p == 0;
   parallel_for(
       cfg.N * tasks_per_n, cfg.work(),
       [&](int64_t task) {
@@ -426,7 +434,10 @@ void forward(const View4<Q>& out, compute_t<T>* logsumexp, const View4<const Q>&
                       s_blk.row(r).setZero();
                       continue;
                     }
-                    l(r0 + r) = l(r0 + r) * alpha(r) + exp_shifted_in_place(&s_blk(r, 0), w, m_new(r));
+                    C* p_row = &s_blk(r, 0);
+                    const C sum = rounded ? exp_shifted_in_place<C, W::kRoundsWeights>(p_row, w, m_new(r))
+                                          : exp_shifted_in_place(p_row, w, m_new(r));
+                    l(r0 + r) = l(r0 + r) * alpha(r) + sum;
                     acc.row(r0 + r) *= alpha(r);
                     m(r0 + r) = m_new(r);
                   }
@@ -438,9 +449,10 @@ void forward(const View4<Q>& out, compute_t<T>* logsumexp, const View4<const Q>&
                     values_packed = true;
                   }
                   if (values_packed)
-                    W::weights_product(acc_rows, cfg.Dv, s_blk, w_buf, vb, cfg.Dv, C(1), Write::accumulate, v_row0);
+                    W::weights_product(acc_rows, cfg.Dv, s_blk, w_buf, vb, cfg.Dv, C(1), Write::accumulate, v_row0,
+                                       rounded);
                   else
-                    W::add_weighted_values(acc_rows, s_blk, w_buf, vb, v, n, hk, vis.k0 + j0, cfg.Dv);
+                    W::add_weighted_values(acc_rows, s_blk, w_buf, vb, v, n, hk, vis.k0 + j0, cfg.Dv, rounded);
                 }
             }
           }

@@ -82,4 +82,18 @@ P exp2_nonpositive(const P& x) {
   return ei::pmul(y, ei::preinterpret<P>(ei::plogical_shift_left<23>(ei::preinterpret<PI>(t))));
 }
 
+// x rounded to bfloat16 (8 significant bits), as a float, for x in [0, 1] or NaN (which stays NaN): the softmax's
+// weights under bfloat16's flash numerics (attention.cpp). Veltkamp's split (Dekker, "A floating-point technique for
+// extending the available precision", 1971): g = x (2^16 + 1), then g + (x - g), 3 instructions on the float units
+// against 11 on x's bits in round_n (half.hpp). Round to nearest, ties to even, for every normal x there (all
+// checked once; tests/cpp/test_kernels.cpp checks the ties); a weight under 2^-126 (subnormal) keeps 8 significant
+// bits where bfloat16's subnormals keep fewer, less than 2^-133 (their step) apart. g is a multiply-add with 0 so
+// that the compiler cannot contract x - g into one unrounded x - x (2^16 + 1), which the split relies on.
+template <typename P>
+P round_to_bfloat16(const P& x) {
+  namespace ei = Eigen::internal;
+  const P g = ei::pmadd(x, ei::pset1<P>(65537.f), ei::pset1<P>(0.f));
+  return ei::padd(g, ei::psub(x, g));
+}
+
 }  // namespace attnpp::ATTNPP_CPU_NS
