@@ -449,30 +449,39 @@ void test_all() {
   test_rotary<T>(2, 3, 11, 13, 5, true, false);    // R < D, D odd
 }
 
-// round_n<bfloat16> (the flash numerics' rounding of P and dS; vectorized by hand under AVX2) against a reference
-// of its own: the nearer in double of the two bfloat16 values around x (a tie to the even one), NaN kept NaN. Every
-// bfloat16 value's upper half with the lower halves that decide the rounding (below, at, above the tie), in runs
-// whose length is not a multiple of the vector width.
-void test_round_bfloat16() {
+// The floats that decide a rounding to bfloat16, up to `last` (their bits): each bfloat16 value's upper half with the
+// lower halves below, at and above the tie.
+std::vector<float> bfloat16_rounding_cases(uint32_t last) {
   const uint32_t lows[] = {0x0000, 0x0001, 0x7fff, 0x8000, 0x8001, 0xffff, 0x4321};
-  std::vector<float> x, got;
-  for (uint32_t high = 0; high < 0x10000; ++high)
-    for (uint32_t low : lows) x.push_back(bits_to_float(high << 16 | low));
+  std::vector<float> x;
+  for (uint32_t high = 0; high <= last >> 16; ++high)
+    for (uint32_t low : lows)
+      if ((high << 16 | low) <= last) x.push_back(bits_to_float(high << 16 | low));
+  return x;
+}
+
+// The reference rounding of x to bfloat16: the nearer in double of the two bfloat16 values around x (a tie to the
+// even one; above the largest bfloat16 is inf, at 2^128 for the distance); inf and NaN as they are.
+float nearest_bfloat16(float x) {
+  if (std::isnan(x) || std::isinf(x)) return x;
+  const uint32_t u = float_to_bits(x);
+  const float below = bits_to_float(u & 0xffff0000u), above = bits_to_float((u & 0xffff0000u) + 0x10000u);
+  const double above_at = std::isinf(above) ? std::copysign(0x1p128, above) : double(above);
+  const double d_below = std::fabs(double(x) - below), d_above = std::fabs(above_at - x);
+  return d_below < d_above || (d_below == d_above && !(u >> 16 & 1)) ? below : above;
+}
+
+// round_n<bfloat16> (the flash numerics' rounding of P and dS; vectorized by hand under AVX2) against
+// nearest_bfloat16, NaN kept NaN: every float of bfloat16_rounding_cases, in runs whose length is not a multiple of
+// the vector width.
+void test_round_bfloat16() {
+  std::vector<float> x = bfloat16_rounding_cases(0xffffffffu), got;
   x.resize(x.size() - 3);
   got.assign(x.size(), 0.0f);
   round_n<bfloat16>(got.data(), x.data(), int64_t(x.size()));
   int64_t wrong = 0;
   for (size_t i = 0; i < x.size(); ++i) {
-    const uint32_t u = float_to_bits(x[i]);
-    float want;
-    if (std::isnan(x[i]) || std::isinf(x[i])) {
-      want = x[i];
-    } else {  // (above the largest bfloat16 is inf, at 2^128 for the distance)
-      const float below = bits_to_float(u & 0xffff0000u), above = bits_to_float((u & 0xffff0000u) + 0x10000u);
-      const double above_at = std::isinf(above) ? std::copysign(0x1p128, above) : double(above);
-      const double d_below = std::fabs(double(x[i]) - below), d_above = std::fabs(above_at - x[i]);
-      want = d_below < d_above || (d_below == d_above && !(u >> 16 & 1)) ? below : above;
-    }
+    const float want = nearest_bfloat16(x[i]);
     const bool same = std::isnan(want) ? std::isnan(got[i]) && (float_to_bits(got[i]) & 0xffffu) == 0
                                        : float_to_bits(got[i]) == float_to_bits(want);
     wrong += !same;
@@ -482,34 +491,26 @@ void test_round_bfloat16() {
 }
 
 // round_to_bfloat16 (the flash numerics' rounding of the forward's weights P, in the softmax's registers) on
-// Eigen's packets of the level, against test_round_bfloat16's reference: every bfloat16 value in [0, 1] as the
-// upper half, with the lower halves that decide the rounding; equal to it for the normal floats, less than 2^-133
-// from it for the subnormal ones; NaN stays NaN. (All 2^30 floats in [0, 1] were checked once, 2026-12-07: no normal one off.)
+// Eigen's packets of the level against nearest_bfloat16: the floats of bfloat16_rounding_cases in [0, 1], equal to
+// it where normal, less than 2^-133 from it where subnormal; NaN stays NaN. (All 2^30 floats in [0, 1] were checked
+// once, 2026-12-07: no normal one off.)
 void test_round_weights_bfloat16() {
   namespace ei = Eigen::internal;
   using P = ei::packet_traits<float>::type;
   constexpr int64_t kW = ei::unpacket_traits<P>::size;
-  const uint32_t lows[] = {0x0000, 0x0001, 0x7fff, 0x8000, 0x8001, 0xffff, 0x4321};
-  std::vector<float> x;
-  for (uint32_t high = 0; high <= 0x3f80; ++high)
-    for (uint32_t low : lows)
-      if ((high << 16 | low) <= 0x3f800000u) x.push_back(bits_to_float(high << 16 | low));
+  std::vector<float> x = bfloat16_rounding_cases(0x3f800000u);
   x.resize((x.size() / kW + 1) * kW, std::nanf(""));
   std::vector<float> got(x.size());
   for (size_t i = 0; i < x.size(); i += kW)
     ei::pstoreu(got.data() + i, ATTNPP_CPU_NS::round_to_bfloat16(ei::ploadu<P>(&x[i])));
   int64_t wrong = 0;
   for (size_t i = 0; i < x.size(); ++i) {
-    const uint32_t u = float_to_bits(x[i]);
-    if (std::isnan(x[i])) {
+    const float want = nearest_bfloat16(x[i]);
+    if (std::isnan(x[i]))
       wrong += !std::isnan(got[i]);
-      continue;
-    }
-    const float below = bits_to_float(u & 0xffff0000u), above = bits_to_float((u & 0xffff0000u) + 0x10000u);
-    const double d_below = double(x[i]) - below, d_above = double(above) - x[i];
-    const float want = d_below < d_above || (d_below == d_above && !(u >> 16 & 1)) ? below : above;
-    wrong += u < 0x00800000u ? !(std::fabs(double(got[i]) - want) < 0x1p-133)
-                             : float_to_bits(got[i]) != float_to_bits(want);
+    else
+      wrong += float_to_bits(x[i]) < 0x00800000u ? !(std::fabs(double(got[i]) - want) < 0x1p-133)
+                                                 : float_to_bits(got[i]) != float_to_bits(want);
   }
   check_true("round_to_bfloat16 on " + std::to_string(x.size()) + " floats in [0, 1]: " + std::to_string(wrong) +
              " wrong", wrong == 0);
