@@ -195,14 +195,17 @@ bool score_block(RowMat<compute_t<T>>& scores, RowMat<compute_t<T>>* dcap, typen
   return any;
 }
 
-// p_blk *= keep / (1 - p), the dropout of the weights of block rows b against keys j0..
-template <typename T, typename C = compute_t<T>>
+// p_blk *= keep / (1 - p), the dropout of the weights of block rows b against keys j0.. (kRounded: each result
+// rounded to bfloat16, as the forward's weights under flash numerics).
+template <bool kRounded = false, typename T, typename C = compute_t<T>>
 void apply_dropout(RowMat<C>& p_blk, const AttnConfig<T>& cfg, const RowBlock& b, int64_t j0) {
   const C inv_keep = C(1) / C(1 - cfg.dropout_p);
   for (int64_t r = 0; r < p_blk.rows(); ++r) {
     const uint64_t row = ((uint64_t(b.n) * cfg.Hq + b.head(r)) * cfg.L + b.query(r)) * cfg.S + j0;
-    for (int64_t c = 0; c < p_blk.cols(); ++c)
+    for (int64_t c = 0; c < p_blk.cols(); ++c) {
       p_blk(r, c) = dropout_keep(cfg.seed, row + c, cfg.dropout_p) ? p_blk(r, c) * inv_keep : C(0);
+      if constexpr (kRounded) p_blk(r, c) = load(store<bfloat16>(p_blk(r, c)));
+    }
   }
 }
 
@@ -238,7 +241,7 @@ T row_max(const T* row, int64_t n) {
 // 0 at -inf (shifter_exp) and the shift is finite, -inf - shift is -inf and needs nothing more; else (a NaN shift,
 // Eigen's generic exp, whose -inf gives a subnormal) -inf is selected to 0. The sum is in a fixed order: one partial
 // sum per lane. kRounded (float): the row is left rounded to bfloat16 (round_to_bfloat16, in the registers), its
-// sum taken before, as the flash numerics' P and l (a pass of its own over P took 3% of the forward at AVX2).
+// sum taken before, as the flash numerics' P and l.
 template <typename T, bool kRounded = false>
 T exp_shifted_in_place(T* row, int64_t n, T shift) {
   namespace ei = Eigen::internal;
@@ -300,11 +303,16 @@ T log_add_exp(T a, T b) {
 }
 
 // The forward with queries and output of Q: T, or T's compute type (float queries over a half-precision KV cache).
-// The scores q k^T are P's products, the weighted values p v W's (attention_products.hpp).
-template <typename P, typename W, typename T, typename Q>
+// The scores q k^T are P's products, the weighted values p v Weights' (attention_products.hpp). Where Weights
+// rounds the weights to bfloat16 for its float products (flash numerics), the forward hands P to them rounded
+// already: the exponentials round it as they write it (a pass of its own took 3% of the forward at AVX2), or the
+// dropout once it has scaled it; its products W are then plain ones.
+template <typename P, typename Weights, typename T, typename Q>
 void forward(const View4<Q>& out, compute_t<T>* logsumexp, const View4<const Q>& q, const View4<const T>& k,
              const View4<const T>& v, const AttnConfig<T>& cfg) {
   using C = compute_t<T>;
+  constexpr bool kRoundP = Weights::kRoundsWeights;
+  using W = std::conditional_t<kRoundP, BlockProducts<T>, Weights>;
   // bl: rows per task; bs: keys per block (the causal diagonal takes edge blocks, below)
   const int64_t bl = kForwardRows, bs = key_block(cfg, Pass::forward);
   const int64_t g = cfg.group();
@@ -327,9 +335,7 @@ void forward(const View4<Q>& out, compute_t<T>* logsumexp, const View4<const Q>&
   const int64_t per_task = windowed ? 1 : std::max<int64_t>(1, ceil_div(row_blocks, std::clamp<int64_t>(ceil_div(
       kTasksPerThread * int64_t(thread_count()), head_tasks), 1, std::max<int64_t>(row_blocks, 1))));
   const int64_t row_groups = ceil_div(row_blocks, per_task), tasks_per_n = cfg.Hk * head_blocks * row_groups;
-  // W rounds the weights P to bfloat16 for P v (flash numerics, float products): the exponentials round them as
-  // they write them, but where dropout scales them first (W's products then round them in a pass of their own)
-  const bool rounded = W::kRoundsWeights && cfg.dropout_p == 0;
+  const bool round_in_exp = kRoundP && cfg.dropout_p == 0;
   parallel_for(
       cfg.N * tasks_per_n, cfg.work(),
       [&](int64_t task) {
@@ -435,13 +441,13 @@ void forward(const View4<Q>& out, compute_t<T>* logsumexp, const View4<const Q>&
                       continue;
                     }
                     C* p_row = &s_blk(r, 0);
-                    const C sum = rounded ? exp_shifted_in_place<C, W::kRoundsWeights>(p_row, w, m_new(r))
-                                          : exp_shifted_in_place(p_row, w, m_new(r));
+                    const C sum = round_in_exp ? exp_shifted_in_place<C, kRoundP>(p_row, w, m_new(r))
+                                               : exp_shifted_in_place(p_row, w, m_new(r));
                     l(r0 + r) = l(r0 + r) * alpha(r) + sum;
                     acc.row(r0 + r) *= alpha(r);
                     m(r0 + r) = m_new(r);
                   }
-                  if (cfg.dropout_p > 0) apply_dropout(s_blk, cfg, sub, j0);
+                  if (cfg.dropout_p > 0) apply_dropout<kRoundP>(s_blk, cfg, sub, j0);
                   // acc += p v_blk (v_blk packed once where several heads or chunks use it)
                   C* acc_rows = acc.data() + r0 * cfg.Dv;
                   if (!values_packed && !stacked && (b.heads > 1 || c0 > r_first || c1 < r_end)) {
@@ -449,10 +455,9 @@ void forward(const View4<Q>& out, compute_t<T>* logsumexp, const View4<const Q>&
                     values_packed = true;
                   }
                   if (values_packed)
-                    W::weights_product(acc_rows, cfg.Dv, s_blk, w_buf, vb, cfg.Dv, C(1), Write::accumulate, v_row0,
-                                       rounded);
+                    W::weights_product(acc_rows, cfg.Dv, s_blk, w_buf, vb, cfg.Dv, C(1), Write::accumulate, v_row0);
                   else
-                    W::add_weighted_values(acc_rows, s_blk, w_buf, vb, v, n, hk, vis.k0 + j0, cfg.Dv, rounded);
+                    W::add_weighted_values(acc_rows, s_blk, w_buf, vb, v, n, hk, vis.k0 + j0, cfg.Dv);
                 }
             }
           }

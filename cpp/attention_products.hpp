@@ -50,7 +50,7 @@ bool values_in_place(compute_t<T>* acc, const RowMat<compute_t<T>>& w, const Vie
 // are in float: those of PyTorch's CPU flash kernel, which rounds them to the input dtype for its GEMMs).
 template <typename T, bool kRounded = false>
 struct BlockProducts {
-  static constexpr bool kRoundsWeights = kRounded;
+  static constexpr bool kRoundsWeights = kRounded;  // (the forward rounds P itself: attention.cpp)
   using C = compute_t<T>;
   using Packed = PackedB<C>;
   using Buffer = RowMat<C>;
@@ -107,11 +107,10 @@ struct BlockProducts {
                                C alpha) {
     gemm_nt_rows(c, ldc, a.data, a.ld, k, ldk, M, N, K, alpha);
   }
-  // c (M, N) (+)= alpha w b and c (+)= alpha w^T b, w weights (M, K) (resp. (K, M)), contiguous. rounded: w holds
-  // values of T already (kRounded: the forward's softmax rounded them).
+  // c (M, N) (+)= alpha w b and c (+)= alpha w^T b, w weights (M, K) (resp. (K, M)), contiguous.
   static void weights_product(C* c, int64_t ldc, const RowMat<C>& w, Buffer& buf, const Packed& b, int64_t N,
-                              C alpha, Write write, int64_t k0 = 0, bool rounded = false) {
-    const RowMat<C>& a = rounded ? w : weights(w, buf);
+                              C alpha, Write write, int64_t k0 = 0) {
+    const RowMat<C>& a = weights(w, buf);
     gemm(c, ldc, row_major(a.data(), a.cols()), b, a.rows(), N, a.cols(), alpha, write, k0);
   }
   static void weights_t_product(C* c, int64_t ldc, const RowMat<C>& w, Buffer& buf, const Packed& b, int64_t N,
@@ -122,8 +121,8 @@ struct BlockProducts {
   // acc (rows of w, Dv) += w v_blk, v_blk rows [r0, r0 + w.cols()) of head (n, hk) of v, packed into vb first
   // but for a few rows (values_in_place).
   static void add_weighted_values(C* acc, const RowMat<C>& w, Buffer& buf, Packed& vb, const View4<const T>& v,
-                                  int64_t n, int64_t hk, int64_t r0, int64_t Dv, bool rounded = false) {
-    const RowMat<C>& a = rounded ? w : weights(w, buf);
+                                  int64_t n, int64_t hk, int64_t r0, int64_t Dv) {
+    const RowMat<C>& a = weights(w, buf);
     if (values_in_place(acc, a, v, n, hk, r0, Dv)) return;
     pack(vb, v, n, hk, r0, a.cols(), Dv, false);
     gemm(acc, Dv, row_major(a.data(), a.cols()), vb, a.rows(), Dv, a.cols(), C(1), Write::accumulate);
@@ -197,9 +196,8 @@ struct PairProducts {
                       Write write, int64_t k0 = 0, int64_t j0 = 0) {
     gemm_pairs(c, ldc, {a.data, a.ld, 1}, b, M, N, (K + 1) / 2, alpha, write, k0 / 2, j0);
   }
-  // (the weights' products take BlockProducts' arguments; `rounded` is never true here: w is converted as it is)
   static void weights_product(C* c, int64_t ldc, const RowMat<C>& w, Buffer& buf, const Packed& b, int64_t N,
-                              C alpha, Write write, int64_t k0 = 0, bool /*rounded*/ = false) {
+                              C alpha, Write write, int64_t k0 = 0) {
     const int64_t M = w.rows(), K2 = (w.cols() + 1) / 2;
     buf.resize(std::size_t(M * K2));
     to_pair_rows(buf.data(), w.data(), w.cols(), M, w.cols());
@@ -213,7 +211,7 @@ struct PairProducts {
     gemm_pairs(c, ldc, {buf.data(), 1, M}, b, M, N, K2, alpha, write);
   }
   static void add_weighted_values(C* acc, const RowMat<C>& w, Buffer& buf, Packed& vb, const View4<const T>& v,
-                                  int64_t n, int64_t hk, int64_t r0, int64_t Dv, bool /*rounded*/ = false) {
+                                  int64_t n, int64_t hk, int64_t r0, int64_t Dv) {
     if (values_in_place(acc, w, v, n, hk, r0, Dv)) return;
     pack(vb, v, n, hk, r0, w.cols(), Dv, false);
     weights_product(acc, Dv, w, buf, vb, Dv, C(1), Write::accumulate);
