@@ -74,40 +74,67 @@ inline Chunk diagonal_chunk(const Visible& vis, int64_t c0, int64_t end, int64_t
 }
 
 // A task that covers a whole (n, key/value head) pair (short sequences: (8,12,256,64) has 96 of them) reads its
-// queries, keys and values from memory once, and sampling found the packing of its K^T stalled on those loads: as
-// a task starts, the next task's are requested into the L2 cache when they take at most kPrefetchBytes (the
-// running task's blocks fit beside them; at 768 KiB, (1,12,1024,64)'s heads, no gain). The (8,12,256,64) forward
-// took 0.98 of its time at AVX-512 and AVX2, 0.94 to 0.96 causal (medians over 200 calls with and without,
-// alternating in one process; at the baseline, whose products are slower, 1.00 and 0.98).
+// queries, keys and values from memory once, and sampling found the packing of its K^T stalled on those loads: the
+// next task's are requested into the L2 cache as a task runs, when they take at most kPrefetchBytes (the running
+// task's blocks fit beside them; at 768 KiB, (1,12,1024,64)'s heads, no gain). Requested all at once as the task
+// started, they took the (8,12,256,64) forward to 0.98 of its time at AVX-512 and AVX2, 0.94 to 0.96 causal (medians
+// over 200 calls with and without, alternating in one process; at the baseline 1.00 and 0.98); yet the next task's
+// packing of its keys still ran at the speed of a copy from memory (AMD Zen 4: 7.8 us a head at AVX-512, 1.2 to 1.7
+// from the caches): of 3,072 requests in a row, many were lost. A share after each of the task's rows (NextHead),
+// all of them by its middle row, took it to 0.94 and 0.95 of that time causal at AVX-512 and AVX2, 0.97 and 0.96 not
+// causal (alternating processes, 10 each, 40 calls; bfloat16, whose rows are half as long, 0.98 to 1.00).
 constexpr int64_t kPrefetchBytes = int64_t(1) << 18;
 
-// Requests the rows [r0, r0 + rows) of head (n, h) of a into the L2 cache (not the L1, whose lines the running
-// task's blocks need). Both prefetch functions are inlined where they are called: GCC takes __builtin_prefetch for
-// free of side effects, and a call to a function made only of prefetches was deleted as dead code.
-template <typename T>
-__attribute__((always_inline)) inline void prefetch_rows(const View4<const T>& a, int64_t n, int64_t h, int64_t r0,
-                                                          int64_t rows, int64_t cols) {
-  for (int64_t r = r0; r < r0 + rows; ++r) {
-    const auto first = reinterpret_cast<std::uintptr_t>(a.at(n, h, r)) / kCacheLine * kCacheLine;
-    const auto end = reinterpret_cast<std::uintptr_t>(a.at(n, h, r) + cols);
+// The queries, keys and values of a task's (n, key/value head hk) when they take at most kPrefetchBytes (else
+// nothing), requested into the L2 cache (not the L1, whose lines the running task's blocks need) a few rows at a
+// time: the keys' rows, then the values', then each query head's of the group. Its functions are inlined where they
+// are called: GCC takes __builtin_prefetch for free of side effects, and a call to a function made only of
+// prefetches was deleted as dead code.
+template <typename T, typename Q>
+class NextHead {
+ public:
+  NextHead() = default;  // (none)
+  // For a task of task_rows rows, each of which calls after_row() once it is done (a row may call it again, for
+  // another block of keys), then rest() at the task's end.
+  NextHead(const View4<const Q>& q, const View4<const T>& k, const View4<const T>& v, const AttnConfig<T>& cfg,
+           int64_t n, int64_t hk, int64_t task_rows)
+      : q_(&q), k_(&k), v_(&v), cfg_(&cfg), n_(n), hk_(hk), vis_(cfg.seq(n)) {
+    const int64_t g = cfg.group();
+    if (vis_.S * (cfg.D + cfg.Dv) * int64_t(sizeof(T)) + g * vis_.L * cfg.D * int64_t(sizeof(Q)) <= kPrefetchBytes)
+      left_ = 2 * vis_.S + g * vis_.L, per_row_ = ceil_div(2 * left_, std::max<int64_t>(1, task_rows));
+  }
+  // A share of the rows: all of them requested by the task's middle row.
+  __attribute__((always_inline)) inline void after_row() { request(per_row_); }
+  // Those that the task's rows left (a row that sees no key requests none).
+  __attribute__((always_inline)) inline void rest() { request(left_); }
+
+ private:
+  __attribute__((always_inline)) inline void request(int64_t count) {
+    for (; left_ > 0 && count > 0; --count, --left_) {
+      const int64_t S = vis_.S, r = row_++;
+      if (r < S)
+        lines(k_->at(n_, hk_, vis_.k0 + r), cfg_->D);
+      else if (r < 2 * S)
+        lines(v_->at(n_, hk_, vis_.k0 + r - S), cfg_->Dv);
+      else
+        lines(q_->at(n_, hk_ * cfg_->group() + (r - 2 * S) / vis_.L, vis_.q0 + (r - 2 * S) % vis_.L), cfg_->D);
+    }
+  }
+  template <typename A>
+  __attribute__((always_inline)) static void lines(const A* row, int64_t cols) {
+    const auto first = reinterpret_cast<std::uintptr_t>(row) / kCacheLine * kCacheLine;
+    const auto end = reinterpret_cast<std::uintptr_t>(row + cols);
     for (std::uintptr_t line = first; line < end; line += kCacheLine)
       __builtin_prefetch(reinterpret_cast<const void*>(line), 0, 1);
   }
-}
-
-// The queries, keys and values of (n, key/value head hk) requested into the L2 cache, when they take at most
-// kPrefetchBytes.
-template <typename T, typename Q>
-__attribute__((always_inline)) inline void prefetch_head(const View4<const Q>& q, const View4<const T>& k,
-                                                          const View4<const T>& v, const AttnConfig<T>& cfg, int64_t n,
-                                                          int64_t hk) {
-  const Visible vis = cfg.seq(n);
-  const int64_t g = cfg.group();
-  if (vis.S * (cfg.D + cfg.Dv) * int64_t(sizeof(T)) + g * vis.L * cfg.D * int64_t(sizeof(Q)) > kPrefetchBytes) return;
-  prefetch_rows(k, n, hk, vis.k0, vis.S, cfg.D);
-  prefetch_rows(v, n, hk, vis.k0, vis.S, cfg.Dv);
-  for (int64_t h = hk * g; h < (hk + 1) * g; ++h) prefetch_rows(q, n, h, vis.q0, vis.L, cfg.D);
-}
+  const View4<const Q>* q_ = nullptr;
+  const View4<const T>* k_ = nullptr;
+  const View4<const T>* v_ = nullptr;
+  const AttnConfig<T>* cfg_ = nullptr;
+  int64_t n_ = 0, hk_ = 0;
+  int64_t row_ = 0, left_ = 0, per_row_ = 0;  // the next row to request (keys, values, queries), the rows left
+  Visible vis_{};
+};
 
 // Keys per block: 256 halves the forward's per-block work outside the products (rescaling the accumulated rows,
 // packing) against 128 (sdpa fwd (1,12,1024,64) against PyTorch at AVX2: 0.96 -> 1.01); 128 under a window, and
@@ -346,8 +373,10 @@ void forward(const View4<Q>& out, compute_t<T>* logsumexp, const View4<const Q>&
         const Visible vis = cfg.seq(n);
         const int64_t first_row = rg * per_task * bl, end_row = std::min(vis.L, (rg + 1) * per_task * bl);
         if (first_row >= end_row) return;
-        if (head_blocks * row_groups == 1 && task + 1 < cfg.N * tasks_per_n)  // a task a head: the next one's
-          prefetch_head(q, k, v, cfg, (task + 1) / tasks_per_n, (task + 1) % tasks_per_n);
+        NextHead<T, Q> next_head;  // a task a head: the next one's rows, requested as this one's go
+        if (head_blocks * row_groups == 1 && task + 1 < cfg.N * tasks_per_n)
+          next_head = NextHead<T, Q>(q, k, v, cfg, (task + 1) / tasks_per_n, (task + 1) % tasks_per_n,
+                                     end_row - first_row);
         const int64_t h0 = hk * g + hb * heads_per_block, heads = std::min(heads_per_block, (hk + 1) * g - h0);
         thread_local typename P::Packed kt;               // (D, Bc) k_blk^T
         thread_local typename W::Packed vb;               // (Bc, Dv) v_blk
@@ -444,6 +473,7 @@ void forward(const View4<Q>& out, compute_t<T>* logsumexp, const View4<const Q>&
                     const C sum = round_in_exp ? exp_shifted_in_place<C, kRoundP>(p_row, w, m_new(r))
                                                : exp_shifted_in_place(p_row, w, m_new(r));
                     l(r0 + r) = l(r0 + r) * alpha(r) + sum;
+                    next_head.after_row();
                     acc.row(r0 + r) *= alpha(r);
                     m(r0 + r) = m_new(r);
                   }
@@ -501,6 +531,7 @@ void forward(const View4<Q>& out, compute_t<T>* logsumexp, const View4<const Q>&
             store_n(dst, o_row, cfg.Dv);  // rounded once, for halves
           }
         }
+        next_head.rest();
       });
 }
 
