@@ -81,8 +81,9 @@ inline Chunk diagonal_chunk(const Visible& vis, int64_t c0, int64_t end, int64_t
 // over 200 calls with and without, alternating in one process; at the baseline 1.00 and 0.98); yet the next task's
 // packing of its keys still ran at the speed of a copy from memory (AMD Zen 4: 7.8 us a head at AVX-512, 1.2 to 1.7
 // from the caches): of 3,072 requests in a row, many were lost. A share after each of the task's rows (NextHead),
-// all of them by its middle row, took it to 0.94 and 0.95 of that time causal at AVX-512 and AVX2, 0.97 and 0.96 not
-// causal (alternating processes, 10 each, 40 calls; bfloat16, whose rows are half as long, 0.98 to 1.00).
+// all of them by its middle row, took it to 0.94 to 0.99 of that time causal at AVX-512 and 0.95 to 0.96 at AVX2,
+// 0.96 to 0.99 not causal (medians of 8 to 12 processes alternating, in several runs; bfloat16, whose rows are half
+// as long, 0.98 to 1.01).
 constexpr int64_t kPrefetchBytes = int64_t(1) << 18;
 
 // The queries, keys and values of a task's (n, key/value head hk) when they take at most kPrefetchBytes (else
