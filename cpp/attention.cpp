@@ -374,11 +374,11 @@ void forward(const View4<Q>& out, compute_t<T>* logsumexp, const View4<const Q>&
         const Visible vis = cfg.seq(n);
         const int64_t first_row = rg * per_task * bl, end_row = std::min(vis.L, (rg + 1) * per_task * bl);
         if (first_row >= end_row) return;
-        NextHead<T, Q> next_head;  // a task a head: the next one's rows, requested as this one's go
+        const int64_t h0 = hk * g + hb * heads_per_block, heads = std::min(heads_per_block, (hk + 1) * g - h0);
+        NextHead<T, Q> next_head;  // a task a head: the next one's rows, requested as this one's rows go
         if (head_blocks * row_groups == 1 && task + 1 < cfg.N * tasks_per_n)
           next_head = NextHead<T, Q>(q, k, v, cfg, (task + 1) / tasks_per_n, (task + 1) % tasks_per_n,
-                                     end_row - first_row);
-        const int64_t h0 = hk * g + hb * heads_per_block, heads = std::min(heads_per_block, (hk + 1) * g - h0);
+                                     heads * (end_row - first_row));
         thread_local typename P::Packed kt;               // (D, Bc) k_blk^T
         thread_local typename W::Packed vb;               // (Bc, Dv) v_blk
         thread_local typename P::Buffer q_buf;            // the block's queries
