@@ -102,16 +102,16 @@ class NextHead {
       : q_(&q), k_(&k), v_(&v), cfg_(&cfg), n_(n), hk_(hk), vis_(cfg.seq(n)) {
     const int64_t g = cfg.group();
     if (vis_.S * (cfg.D + cfg.Dv) * int64_t(sizeof(T)) + g * vis_.L * cfg.D * int64_t(sizeof(Q)) <= kPrefetchBytes)
-      left_ = 2 * vis_.S + g * vis_.L, per_row_ = ceil_div(2 * left_, std::max<int64_t>(1, task_rows));
+      rows_ = 2 * vis_.S + g * vis_.L, per_row_ = ceil_div(2 * rows_, std::max<int64_t>(1, task_rows));
   }
   // A share of the rows: all of them requested by the task's middle row.
   __attribute__((always_inline)) inline void after_row() { request(per_row_); }
   // Those that the task's rows left (a row that sees no key requests none).
-  __attribute__((always_inline)) inline void rest() { request(left_); }
+  __attribute__((always_inline)) inline void rest() { request(rows_); }
 
  private:
   __attribute__((always_inline)) inline void request(int64_t count) {
-    for (; left_ > 0 && count > 0; --count, --left_) {
+    for (; row_ < rows_ && count > 0; --count) {
       const int64_t S = vis_.S, r = row_++;
       if (r < S)
         lines(k_->at(n_, hk_, vis_.k0 + r), cfg_->D);
@@ -133,7 +133,7 @@ class NextHead {
   const View4<const T>* v_ = nullptr;
   const AttnConfig<T>* cfg_ = nullptr;
   int64_t n_ = 0, hk_ = 0;
-  int64_t row_ = 0, left_ = 0, per_row_ = 0;  // the next row to request (keys, values, queries), the rows left
+  int64_t row_ = 0, rows_ = 0, per_row_ = 0;  // the next row to request (keys, values, queries), of rows_
   Visible vis_{};
 };
 
